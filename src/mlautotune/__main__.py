@@ -1,0 +1,3 @@
+from mlautotune.cli import main
+
+main()

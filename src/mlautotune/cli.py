@@ -1,0 +1,36 @@
+"""The command line: `mlautotune [tune|plan|experiment|sync] key=value ...` (a Hydra application)."""
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from mlautotune.config import register_configs
+from mlautotune.errors import UserError
+
+COMMANDS = ("tune", "plan", "experiment", "sync")
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def app(cfg: DictConfig) -> None:
+    try:
+        if cfg.command == "plan":
+            from mlautotune.commands import plan_command as run
+        elif cfg.command == "experiment":
+            from mlautotune.commands import experiment_command as run
+        elif cfg.command == "sync":
+            from mlautotune.commands import sync_command as run
+        else:
+            from mlautotune.commands import tune_command as run
+        run(cfg)
+    except UserError as e:
+        print(f"mlautotune: error: {e.message}", file=sys.stderr)
+        sys.exit(e.exit_code)
+
+
+def main() -> None:
+    """Entry point. A first word that names a command becomes the `command=` override."""
+    register_configs()
+    if len(sys.argv) > 1 and sys.argv[1] in COMMANDS:
+        sys.argv = [sys.argv[0], f"command={sys.argv[1]}", *sys.argv[2:]]
+    app()

@@ -1,0 +1,207 @@
+"""Session outputs: summary.txt, ds_config_optimal.json, cmd_optimal.txt, trials.csv, plots, session.json.
+
+The files are DeepSpeed's (same names, same summary table) plus a provenance block. Every file is
+written atomically. An interrupted session writes them for the best so far, marked partial; a
+session with no successful experiment writes no optimal config at all.
+"""
+
+import datetime
+import shlex
+from collections import Counter
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from mlautotune.files import atomic_write_json, atomic_write_text
+from mlautotune.search import METRIC_KEYS, Measured, Outcome
+
+PROVENANCE_KEY = "mlautotune"
+STATUSES = ("ok", "oom", "timeout", "failed", "incomplete")
+
+
+def summary_table(outcome: Outcome, stages: List[int]) -> str:
+    rows = []
+    for s in stages:
+        ms = [m for m in outcome.measured if m.params.get("stage") == s]
+        if not ms:
+            continue
+        best = outcome.stage_best.get(s)
+        rows.append((f"z{s}", len(ms), _fmt(best), best.result.name if best else "-"))
+    best = outcome.best
+    rows.append(("global", len(outcome.measured), _fmt(best), best.result.name if best else "-"))
+    head = ("tuning_space", "num_experiments", "best_metric_val", "best_exp_name")
+    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(4)]
+    line = lambda r: "| " + " | ".join(str(v).ljust(w) if i in (0, 3) else str(v).rjust(w) for i, (v, w) in enumerate(zip(r, widths))) + " |"
+    sep = "| " + " | ".join(":" + "-" * (w - 1) if i in (0, 3) else "-" * (w - 1) + ":" for i, w in enumerate(widths)) + " |"
+    return "\n".join([line(head), sep, *(line(r) for r in rows)])
+
+
+def _fmt(m: Optional[Measured]) -> str:
+    return f"{m.final_value:.6g}" if m is not None and m.final_value is not None else "0"
+
+
+def session_metrics(outcome: Outcome, metric: str, wall_time_s: float) -> Dict[str, float]:
+    """The parent run's metrics: per-stage bests, the global best, experiments by status, wall time."""
+    out: Dict[str, float] = {}
+    for s, m in outcome.stage_best.items():
+        out[f"z{s}_best_{metric}"] = m.final_value
+    if outcome.best is not None:
+        out[f"best_{metric}"] = outcome.best.final_value
+        out["best_spread"] = outcome.best.spread
+    counts = Counter(m.result.status for m in outcome.measured)
+    for status in STATUSES:
+        out[f"num_{status}"] = counts.get(status, 0)
+    out["num_experiments"] = len(outcome.measured)
+    out["num_launched_this_run"] = outcome.experiments
+    out["tuning_wall_time_s"] = wall_time_s
+    return out
+
+
+def optimal_command(launcher_argv: List[str], script: str, script_args: List[str]) -> str:
+    return shlex.join(["deepspeed", *launcher_argv, script, *script_args])
+
+
+def write_reports(
+    results_dir: Path,
+    outcome: Outcome,
+    *,
+    stages: List[int],
+    metric: str,
+    status: str,  # complete | partial | failed
+    wall_time_s: float,
+    session: str,
+    optimal_ds_config: Optional[Dict[str, Any]],
+    optimal_cmd: Optional[str],
+    study: Any = None,
+) -> Dict[str, Any]:
+    """Write every output file; return the session record (also saved as session.json)."""
+    results_dir.mkdir(parents=True, exist_ok=True)
+    best = outcome.best
+    header = {
+        "complete": "",
+        "partial": "PARTIAL RESULT: the session was interrupted; this is the best so far, not the optimum.\n\n",
+        "failed": "NO RESULT: no experiment succeeded, so there is no optimal configuration.\n\n",
+    }[status]
+    lines = [header + summary_table(outcome, stages), ""]
+    lines.append(f"Tuning completed in {datetime.timedelta(seconds=round(wall_time_s, 3))}. Total number of experiments: {len(outcome.measured)}.")
+    if best is not None:
+        runs = 1 + len(best.repeats)
+        lines.append(f"Optimum: {best.result.name}  {metric}={best.final_value:.6g} (spread {best.spread:.1%} over {runs} measurement{'s' if runs > 1 else ''})")
+    lines += [f"Note: {n}" for n in outcome.notes]
+    failures = [m for m in outcome.measured if m.result.status != "ok"]
+    if failures:
+        lines.append("")
+        lines.append("Failed experiments:")
+        lines += [f"  {m.result.name}: {m.result.status}: {_last_line(m.result.reason)}" for m in failures]
+    atomic_write_text(results_dir / "summary.txt", "\n".join(lines) + "\n")
+
+    if best is not None and optimal_ds_config is not None and status != "failed":
+        provenance = {"status": status, "session": session, "experiment": best.result.name, "metric": metric, "value": best.final_value, "spread": best.spread}
+        atomic_write_json(results_dir / "ds_config_optimal.json", {**optimal_ds_config, PROVENANCE_KEY: provenance})
+        atomic_write_text(results_dir / "cmd_optimal.txt", (optimal_cmd or "") + "\n")
+    else:
+        for name in ("ds_config_optimal.json", "cmd_optimal.txt"):
+            (results_dir / name).unlink(missing_ok=True)
+
+    if study is not None:
+        df = study.trials_dataframe()
+        df = df[[c for c in df.columns if c not in ("user_attrs_result",)]]
+        atomic_write_text(results_dir / "trials.csv", df.to_csv(index=False))
+    plot_session(results_dir / "plots", outcome, metric)
+
+    record = {
+        "status": status,
+        "session": session,
+        "metrics": session_metrics(outcome, metric, wall_time_s),
+        "tags": {"status": status, "best_experiment": best.result.name if best else "", "metric": metric},
+    }
+    atomic_write_json(results_dir / "session.json", record)
+    return record
+
+
+def _last_line(text: str) -> str:
+    lines = [l for l in (text or "").strip().splitlines() if l.strip()]
+    return lines[-1][:200] if lines else ""
+
+
+def plot_session(plots_dir: Path, outcome: Outcome, metric: str) -> List[Path]:
+    """Three PNGs: metric vs micro-batch per stage (OOM edges marked), history, best-so-far."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    ylabel = {"throughput": "throughput (samples/s)", "latency": "latency (ms / step)", "FLOPS": "FLOPS per GPU"}[metric]
+    colors = plt.get_cmap("tab10")
+    stages = sorted({m.params.get("stage") for m in outcome.measured})
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for s in stages:
+        ms = [m for m in outcome.measured if m.params.get("stage") == s]
+        ok = sorted((m.params["micro_batch"], m.final_value) for m in ms if m.value is not None)
+        if ok:
+            best_per_mbs: Dict[int, float] = {}
+            for x, y in ok:
+                best_per_mbs[x] = max(best_per_mbs.get(x, y), y) if metric != "latency" else min(best_per_mbs.get(x, y), y)
+            xs = sorted(best_per_mbs)
+            ax.plot(xs, [best_per_mbs[x] for x in xs], "-o", color=colors(s), label=f"ZeRO {s}")
+        ooms = sorted(m.params["micro_batch"] for m in ms if m.result.status == "oom")
+        if ooms:
+            ax.axvline(ooms[0], color=colors(s), linestyle="--", alpha=0.7)
+            ax.plot(ooms, [0] * len(ooms), "x", color=colors(s), markersize=10, label=f"ZeRO {s} OOM (edge at {ooms[0]})")
+    if outcome.best is not None:
+        b = outcome.best
+        ax.plot([b.params["micro_batch"]], [b.final_value], "*", color="gold", markersize=18, markeredgecolor="black", label=f"optimum {b.result.name}")
+    ax.set(xlabel="micro-batch size per GPU", ylabel=ylabel, title=f"{metric} vs micro-batch size, per ZeRO stage")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    paths.append(_save(fig, plots_dir / f"{metric}_vs_micro_batch.png"))
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, m in enumerate(outcome.measured, 1):
+        s = m.params.get("stage", 0)
+        if m.value is not None:
+            ax.plot(i, m.value, "o", color=colors(s))
+        else:
+            ax.plot(i, 0, "x", color="red")
+    best_so_far = _best_so_far(outcome, metric)
+    ax.step(range(1, len(best_so_far) + 1), best_so_far, where="post", color="black", alpha=0.6, label="best so far")
+    for s in stages:
+        ax.plot([], [], "o", color=colors(s), label=f"ZeRO {s}")
+    ax.plot([], [], "x", color="red", label="failed / OOM")
+    ax.set(xlabel="experiment", ylabel=ylabel, title="Optimisation history")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    paths.append(_save(fig, plots_dir / "history.png"))
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.step(range(1, len(best_so_far) + 1), best_so_far, where="post", color="tab:green")
+    ax.set(xlabel="experiments run", ylabel=f"best {metric} so far", title="Best so far against experiments")
+    ax.grid(alpha=0.3)
+    paths.append(_save(fig, plots_dir / "best_so_far.png"))
+    return paths
+
+
+def _best_so_far(outcome: Outcome, metric: str) -> List[float]:
+    best, out = None, []
+    for m in outcome.measured:
+        if m.value is not None and (best is None or (m.value > best if metric != "latency" else m.value < best)):
+            best = m.value
+        out.append(best if best is not None else float("nan"))
+    return out
+
+
+def _save(fig, path: Path) -> Path:
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.tight_layout()
+    fig.savefig(tmp, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    tmp.replace(path)
+    return path
+
+
+def metric_key(metric: str) -> str:
+    return METRIC_KEYS[metric]
