@@ -1,5 +1,6 @@
 """The command line: `mlautotune [tune|plan|experiment|sync] key=value ...` (a Hydra application)."""
 
+import os
 import sys
 
 import hydra
@@ -26,11 +27,19 @@ def app(cfg: DictConfig) -> None:
     except UserError as e:
         print(f"mlautotune: error: {e.message}", file=sys.stderr)
         sys.exit(e.exit_code)
+    except Exception as e:
+        if type(e).__name__ != "SessionFailed":
+            raise
+        print(f"mlautotune: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 def main() -> None:
     """Entry point. A first word that names a command becomes the `command=` override."""
     register_configs()
+    # A tracking server that is down must cost seconds, not the minutes of MLflow's default retries.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
     if len(sys.argv) > 1 and sys.argv[1] in COMMANDS:
         sys.argv = [sys.argv[0], f"command={sys.argv[1]}", *sys.argv[2:]]
     app()

@@ -103,11 +103,11 @@ class Tuner:
         study: optuna.Study,
         make_experiment: Callable[[Dict[str, Any]], Experiment],
         run: Callable[[Experiment], Result],
-        observer: Any = None,
+        observers: Any = (),
     ):
         self.plan, self.s, self.study = plan, settings, study
         self.make_experiment, self.run_experiment = make_experiment, run
-        self.observer = observer
+        self.observers = list(observers)
         self.memory: Optional[MemoryModel] = None
         self.notes: List[str] = []
         self.launched = 0  # experiments started by this process
@@ -119,29 +119,32 @@ class Tuner:
 
     # ---- history and resume -------------------------------------------------------------
     def _load_history(self) -> None:
-        """Reuse every finished experiment of this study; re-queue those a dead tuner left running."""
+        """Reuse every finished experiment of this study; re-queue those that were interrupted."""
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
             self.study.ask()  # a queued trial that a dead tuner never started: drop it
             self._mark_interrupted(t.number)
+        self.interrupted: List[int] = []
         for t in self.study.get_trials(deepcopy=False):
-            if t.state == TrialState.RUNNING:
+            if t.state == TrialState.RUNNING:  # its tuner died (SIGKILL, node failure)
                 self._mark_interrupted(t.number)
-                if "duplicate_of" not in t.user_attrs:
-                    self._requeue.append(dict(t.params))
+            elif t.user_attrs.get("status") != "interrupted":
+                if "result" in t.user_attrs and "duplicate_of" not in t.user_attrs:
+                    self._reuse(t)
                 continue
-            if "result" not in t.user_attrs or "duplicate_of" in t.user_attrs:
-                continue
-            if t.user_attrs.get("status") == "interrupted":
-                continue
-            m = Measured(dict(t.params), result_from_trial(t), t.number, t.value if t.state == TrialState.COMPLETE else None)
-            if "repeat_of" in t.user_attrs:
-                base = self._measured.get(params_key(t.params))
-                if base is not None and m.value is not None:
-                    base.repeats.append(m.value)
-                continue
-            self._measured[params_key(t.params)] = m
-            self._order.append(m)
+            self.interrupted.append(t.number)
+            if "repeat_of" not in t.user_attrs and t.params:
+                self._requeue.append(dict(t.params))
         self._requeue = [p for p in self._requeue if params_key(p) not in self._measured]
+
+    def _reuse(self, t: optuna.trial.FrozenTrial) -> None:
+        m = Measured(dict(t.params), result_from_trial(t), t.number, t.value if t.state == TrialState.COMPLETE else None)
+        if "repeat_of" in t.user_attrs:
+            base = self._measured.get(params_key(t.params))
+            if base is not None and m.value is not None:
+                base.repeats.append(m.value)
+            return
+        self._measured[params_key(t.params)] = m
+        self._order.append(m)
 
     def _mark_interrupted(self, number: int) -> None:
         trial_id = self.study._storage.get_trial_id_from_study_id_trial_number(self.study._study_id, number)
@@ -180,7 +183,12 @@ class Tuner:
         trial.set_user_attr("name", exp.name)
         self._notify("experiment_started", exp, trial)
         self.launched += 1
-        result = self.run_experiment(exp)
+        try:
+            result = self.run_experiment(exp)
+        except BaseException:  # Ctrl-C / SIGTERM: the trial is interrupted, to be run again on resume
+            trial.set_user_attr("status", "interrupted")
+            self.study.tell(trial, state=TrialState.FAIL)
+            raise
         value = self.value_of(result)
         if result.status == "ok" and value is None:
             result.status, result.reason = "failed", f"metrics.json has no {METRIC_KEYS[self.s.metric]}"
@@ -222,8 +230,9 @@ class Tuner:
             self.memory.observe(m.params["stage"], m.params["micro_batch"], int(peak), m.result.status == "oom")
 
     def _notify(self, event: str, *args: Any) -> None:
-        if self.observer is not None and hasattr(self.observer, event):
-            getattr(self.observer, event)(*args)
+        for observer in self.observers:
+            if hasattr(observer, event):
+                getattr(observer, event)(*args)
 
     def note(self, text: str) -> None:
         self.notes.append(text)

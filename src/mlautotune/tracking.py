@@ -186,3 +186,22 @@ def child_payload(params: Dict[str, Any], result: Dict[str, Any], ds_config: Dic
 
 def mlflow_status(result_status: str) -> str:
     return "FINISHED" if result_status == "ok" else "KILLED" if result_status == "interrupted" else "FAILED"
+
+
+class TrackingObserver:
+    """Turns the search's events into child runs."""
+
+    def __init__(self, tracker: Tracker):
+        self.tracker = tracker
+        self._running: Dict[str, int] = {}  # experiment name -> trial number
+
+    def experiment_started(self, exp, trial) -> None:
+        self._running[exp.name] = trial.number
+        params, _, _ = child_payload(exp.params, {"status": "running", "name": exp.name, "metrics": {}}, exp.ds_config)
+        self.tracker.child_started(trial.number, exp.name, params, {"status": "running", "experiment": exp.name})
+
+    def experiment_finished(self, exp, measured, best) -> None:
+        result = measured.result.to_dict()
+        _, metrics, tags = child_payload(exp.params, result, {})
+        number = self._running.pop(exp.name, measured.trial_number)
+        self.tracker.child_finished(number, metrics, tags, measured.result.exp_dir, mlflow_status(measured.result.status))

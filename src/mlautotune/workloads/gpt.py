@@ -51,6 +51,11 @@ class GPT(nn.Module):
         self.head = nn.Linear(hidden, vocab_size, bias=False)
         if tie_weights:
             self.head.weight = self.tok.weight
+        for m in self.modules():  # GPT-2's initialisation keeps the first loss near ln(vocab_size)
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
 
     def forward(self, idx, targets):
         pos = torch.arange(idx.size(1), device=idx.device)
@@ -58,7 +63,7 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.ln_f(x))
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
 
 def parse_args():

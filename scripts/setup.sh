@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Creates .venv and installs mlautotune with its test extras. torch is pinned to the CPU build
+# for development and CI (an unpinned torch would pull several GB of CUDA packages).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -m pip install -q "torch==2.13.0" -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -c "import mlautotune, torch, deepspeed, mlflow, optuna, hydra, xgboost" 2>/dev/null
+echo "mlautotune: environment ready in .venv"

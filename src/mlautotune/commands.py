@@ -1,0 +1,221 @@
+"""The commands: tune (and run), plan, experiment, sync. Glue from a session to search, tracking and reports."""
+
+import copy
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from mlautotune.console import Console
+from mlautotune.errors import UserError
+from mlautotune.files import atomic_write_json, atomic_write_text, read_json
+from mlautotune.report import PROVENANCE_KEY, optimal_command, write_reports
+from mlautotune.scriptargs import set_deepspeed_config, set_flag
+from mlautotune.search import Measured, Outcome, Tuner, deepspeed_zero_defaults
+from mlautotune.session import SESSION_FILE, Session, hardware_params, open_session
+from mlautotune.space import plan_text, tuned_knobs
+from mlautotune.tracking import Tracker, TrackingObserver, child_payload, flatten, mlflow_status
+
+
+class SessionFailed(Exception):
+    exit_code = 1
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def tune_command(cfg: DictConfig) -> None:
+    session = open_session(cfg)
+    console = Console(session.at.metric, session.at.tuner_num_trials)
+    for notice in session.plan.notices:
+        console.say(f"mlautotune: {notice}")
+    study = session.open_study()
+    tuner = Tuner(session.plan, session.search_settings(), study, session.make_experiment, session.run)
+    tracker = Tracker(session.cfg.tracking.tracking_uri, session.cfg.tracking.experiment_name, session.cfg.tracking.enabled)
+    resumed = len(tuner.outcome().measured)
+    console.say(
+        f"mlautotune: session {session.name} | stages {session.plan.stages} | metric {session.at.metric} | tuner {session.at.tuner_type}"
+        f" | budget {session.at.tuner_num_trials} experiments | {session.world_size} ranks | memory limit {session.memory_limit_bytes / 2**30:.2f} GiB/rank"
+        + (f" | resuming with {resumed} experiments already measured" if resumed else "")
+    )
+    console.say(f"mlautotune: results in {session.results_dir}")
+    session.write_record(status="running")
+    config_yaml = session.results_dir / "config.yaml"
+    atomic_write_text(config_yaml, OmegaConf.to_yaml(session.cfg))
+    tracker.open_parent(study, session.name, parent_params(session), {"mode": session.cfg.mode}, [session.ds_config_path, config_yaml])
+    tracker.drop_children(tuner.interrupted)
+    tuner.observers = [console, TrackingObserver(tracker)]
+
+    started = time.monotonic() - float(study.user_attrs.get("wall_time_s", 0.0))
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    status = "complete"
+    try:
+        outcome = tuner.tune()
+    except KeyboardInterrupt:
+        status, outcome = "partial", tuner.outcome()
+        console.say("mlautotune: interrupted; writing the best so far, marked partial. Run the same command again to resume.")
+        tracker.kill_open_children()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    wall = time.monotonic() - started
+    study.set_user_attr("wall_time_s", wall)
+    if outcome.best is None and status == "complete":
+        status = "failed"
+    closing = finish(session, study, tracker, outcome, status, wall)
+    console.say("")
+    console.say((session.results_dir / "summary.txt").read_text().rstrip())
+    if status != "complete":
+        tracker.close_parent(*closing)
+    if status == "failed":
+        reasons = "; ".join(f"{m.result.name}: {m.result.status}" for m in outcome.measured[:8])
+        raise SessionFailed(f"no experiment succeeded, so there is no optimal configuration ({reasons}). See {session.results_dir}/summary.txt and each experiment's stderr.log.")
+    if status == "partial":
+        sys.exit(130)
+    console.say(f"mlautotune: optimal config: {session.results_dir / 'ds_config_optimal.json'}")
+    console.say(f"mlautotune: command: {(session.results_dir / 'cmd_optimal.txt').read_text().strip()}")
+    lr_advice(session, outcome, console)
+    if session.cfg.mode == "run":
+        final_training(session, study, tracker, outcome, console)
+    tracker.close_parent(*closing)
+
+
+def finish(session: Session, study, tracker: Tracker, outcome: Outcome, status: str, wall: float) -> tuple:
+    """Write the reports; return the arguments that close the parent run."""
+    best = outcome.best
+    ds_optimal = session.make_experiment(best.params).ds_config if best else None
+    cmd = optimal_cmd(session, best.params, ds_optimal) if best else None
+    record = write_reports(
+        session.results_dir, outcome, stages=session.plan.stages, metric=session.at.metric, status=status,
+        wall_time_s=wall, session=session.name, optimal_ds_config=ds_optimal, optimal_cmd=cmd, study=study,
+    )
+    session.write_record(**record)
+    files = [session.results_dir / n for n in ("summary.txt", "ds_config_optimal.json", "cmd_optimal.txt", "trials.csv", "session.json")]
+    return record["metrics"], record["tags"], [f for f in files if f.exists()] + [session.results_dir / "plots"], {"complete": "FINISHED", "partial": "KILLED", "failed": "FAILED"}[status]
+
+
+def optimal_cmd(session: Session, params: Dict[str, Any], ds_config: Dict[str, Any]) -> str:
+    path = str(session.results_dir / "ds_config_optimal.json")
+    args = set_deepspeed_config(session.script_args, path)
+    for key, flag in (session.at.arg_mappings or {}).items():
+        if key.strip() in ds_config:
+            args = set_flag(args, flag, str(ds_config[key.strip()]))
+    return optimal_command(session.launcher_argv(), str(session.script), args)
+
+
+def parent_params(session: Session) -> Dict[str, Any]:
+    params = {f"cfg.{k}": v for k, v in flatten(OmegaConf.to_container(session.cfg, resolve=True)).items() if not k.startswith("tuners.")}
+    params.update({f"user_ds_config.{k}": v for k, v in flatten(session.ds_config).items()})
+    params.update(
+        {
+            "script": str(session.script),
+            "script_args": " ".join(session.script_args),
+            "session": session.name,
+            "stages": str(session.plan.stages),
+            "results_dir": str(session.results_dir),
+        }
+    )
+    params.update(hardware_params(session))
+    return params
+
+
+def lr_advice(session: Session, outcome: Outcome, console: Console) -> None:
+    """README: if the best batch size differs from the user's, scale the learning rate."""
+    user_mbs = session.ds_config.get("train_micro_batch_size_per_gpu")
+    best = outcome.best
+    if best is None or not isinstance(user_mbs, int):
+        return
+    b = user_mbs * session.plan.gas * session.world_size // session.plan.mp_size
+    b2 = best.result.metrics.get("train_batch_size") or best.params["micro_batch"] * best.params["gas"] * session.world_size // session.plan.mp_size
+    if b2 != b:
+        console.say(
+            f"mlautotune: the optimal global batch size {b2} differs from yours ({b}). Scale the learning rate by "
+            f"sqrt({b2}/{b}) = {(b2 / b) ** 0.5:.3f} for Adam-like optimizers, or linearly by {b2 / b:.3f} for SGD, keeping the other hyperparameters."
+        )
+
+
+def final_training(session: Session, study, tracker: Tracker, outcome: Outcome, console: Console) -> None:
+    """mode=run: train with the optimum (autotuning removed), measured as its own child run."""
+    exp = session.make_experiment(outcome.best.params)
+    exp.name = "final_training"
+    exp.ds_config = {k: v for k, v in exp.ds_config.items() if k not in ("autotuning", PROVENANCE_KEY)}
+    exp.full_run = True
+    exp.timeout_s = max(exp.timeout_s, 24 * 3600)
+    console.say(f"mlautotune: final training with {outcome.best.result.name}'s configuration ...")
+    params, _, _ = child_payload(exp.params, {"status": "running", "name": exp.name, "metrics": {}}, exp.ds_config)
+    number = -1  # not an Optuna trial
+    tracker.child_started(number, exp.name, params, {"status": "running", "experiment": exp.name, "mlautotune.role": "final_training"})
+    result = session.run(exp)
+    _, metrics, tags = child_payload(exp.params, result.to_dict(), {})
+    if outcome.best.value is not None:
+        metrics[f"tuning_estimate_{session.at.metric}"] = outcome.best.final_value
+    tracker.child_finished(number, metrics, tags, result.exp_dir, mlflow_status(result.status))
+    console.say(f"mlautotune: final training {result.status}: throughput {result.metrics.get('throughput', 0):,.4g} samples/s (tuning estimate {outcome.best.result.metrics.get('throughput', 0):,.4g})")
+    if result.status != "ok":
+        raise SessionFailed(f"the final training ended as {result.status}: {result.reason.strip()[-500:]}")
+
+
+def plan_command(cfg: DictConfig) -> None:
+    session = open_session(cfg)
+    for notice in session.plan.notices:
+        print(f"mlautotune: {notice}")
+    print(plan_text(session.plan))
+
+
+def experiment_command(cfg: DictConfig) -> None:
+    """Run one experiment of the ds_config (the plan's first configuration) and print the result."""
+    session = open_session(cfg)
+    stage, mbs = session.plan.stages[0], session.plan.micro_batch.values[0]
+    params: Dict[str, Any] = {"stage": stage, "micro_batch": mbs, "gas": session.plan.gas}
+    defaults = deepspeed_zero_defaults(stage)
+    for knob, values in tuned_knobs(session.plan, stage).items():
+        params[knob] = defaults[knob] if defaults.get(knob) in values else values[0]
+    exp = session.make_experiment(params)
+    print(f"mlautotune: running {exp.name} ...", flush=True)
+    result = session.run(exp)
+    print(f"status: {result.status}")
+    for k in ("throughput", "latency", "FLOPS_per_gpu", "peak_memory_bytes", "step_time_median_ms", "step_time_spread"):
+        if k in result.metrics:
+            print(f"{k}: {result.metrics[k]}")
+    if result.reason:
+        print(f"reason: {result.reason.strip()}")
+    print(f"wall time: {result.wall_time_s:.1f} s")
+    print(f"folder: {result.exp_dir}")
+    if result.status != "ok":
+        sys.exit(1)
+
+
+def sync_command(cfg: DictConfig) -> None:
+    """Fill MLflow with a session's runs from its results directory (after a tracking outage)."""
+    import optuna
+
+    results_dir = Path(cfg.autotuning.results_dir or "autotuning_results").expanduser().absolute()
+    path = results_dir / SESSION_FILE
+    if not path.is_file():
+        raise UserError(f"{str(results_dir)!r} holds no tuning session ({SESSION_FILE} is missing).", "Pass autotuning.results_dir=<the results_dir of the session to sync>.")
+    record = read_json(path)
+    study = optuna.load_study(study_name=record["session"], storage=record["storage"])
+    tracking = record.get("tracking", {})
+    tracker = Tracker(cfg.tracking.tracking_uri or tracking.get("uri"), tracking.get("experiment_name") or cfg.tracking.experiment_name)
+    config_yaml = results_dir / "config.yaml"
+    tracker.open_parent(study, record["session"], {"session": record["session"], "results_dir": str(results_dir)}, {}, [config_yaml] if config_yaml.exists() else [])
+    if not tracker.online:
+        raise SessionFailed(f"MLflow at {tracker.tracking_uri} cannot be reached; nothing was synced.")
+    added = 0
+    for t in study.get_trials(deepcopy=False):
+        result = t.user_attrs.get("result")
+        if result is None or "duplicate_of" in t.user_attrs or tracker.has_child(t.number):
+            continue
+        exp_json = Path(result["exp_dir"]) / "ds_config.json"
+        ds = read_json(exp_json) if exp_json.exists() else {}
+        params, metrics, tags = child_payload(dict(t.params), result, ds)
+        tracker.child_started(t.number, result["name"], params, tags)
+        tracker.child_finished(t.number, metrics, tags, result["exp_dir"], mlflow_status(result["status"]))
+        added += 1
+    files = [results_dir / n for n in ("summary.txt", "ds_config_optimal.json", "cmd_optimal.txt", "trials.csv", "session.json")]
+    status = {"complete": "FINISHED", "partial": "KILLED", "failed": "FAILED"}.get(record.get("status"), "KILLED")
+    tracker.close_parent(record.get("metrics", {}), record.get("tags", {}), [f for f in files if f.exists()] + [results_dir / "plots"], status)
+    print(f"mlautotune: synced {added} experiment runs of session {record['session']} to {tracker.tracking_uri} (parent run {tracker.parent_id})")

@@ -1,0 +1,45 @@
+"""The MLproject's entry point: MLflow parameters -> Hydra overrides (empty ones dropped) -> the app."""
+
+import shlex
+import sys
+
+from mlautotune import cli
+
+# MLproject parameter -> Hydra key
+KEYS = {
+    "config": "config",
+    "script": "script",
+    "script_args": "script_args",
+    "mode": "mode",
+    "num_gpus": "launcher.num_gpus",
+    "num_nodes": "launcher.num_nodes",
+    "hostfile": "launcher.hostfile",
+    "tuner_type": "autotuning.tuner_type",
+    "results_dir": "autotuning.results_dir",
+}
+
+
+def hydra_quote(value: str) -> str:
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def overrides(argv: list) -> list:
+    out = []
+    for arg in argv:
+        name, _, value = arg.partition("=")
+        if name == "overrides":
+            out += shlex.split(value)
+        elif name in KEYS and value != "":
+            out.append(f"{KEYS[name]}={hydra_quote(value) if name in ('script_args', 'config', 'script', 'hostfile', 'results_dir') else value}")
+        elif name not in KEYS:
+            raise SystemExit(f"mlautotune: error: unknown MLproject parameter {name!r}; known: {', '.join(KEYS)}, overrides.")
+    return out
+
+
+def main() -> None:
+    sys.argv = [sys.argv[0], *overrides(sys.argv[1:])]
+    cli.main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+"""A tuning session: the validated inputs, its identity, where it writes, and how it builds experiments."""
+
+import hashlib
+import json
+import os
+import shlex
+import socket
+import sys
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import optuna
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from mlautotune import config as configlib
+from mlautotune.errors import UserError
+from mlautotune.experiment import Experiment, Resources, Result, run_experiment, world_size
+from mlautotune.files import atomic_write_json, read_json
+from mlautotune.search import SearchSettings
+from mlautotune.space import TuningPlan, build_plan, experiment_config, experiment_name
+
+PACKAGE_DIR = Path(__file__).parent
+BUNDLED_CONFIG = PACKAGE_DIR / "examples" / "ds_config.json"
+BUNDLED_SCRIPT = PACKAGE_DIR / "workloads" / "gpt.py"
+SESSION_FILE = "session.json"
+# Settings that do not change what a session measures: changing them resumes the same session.
+NOT_IDENTITY = ("results_dir", "exps_dir", "overwrite", "tuner_num_trials", "tuner_early_stopping", "experiment_timeout")
+
+
+@dataclass
+class Session:
+    cfg: DictConfig  # the final settings (conf < ds_config autotuning < command line)
+    ds_config_path: Path
+    ds_config: Dict[str, Any]  # the user's ds_config as loaded (keys normalised)
+    plan: TuningPlan
+    script: Path
+    script_args: List[str]
+    resources: Resources
+    world_size: int
+    results_dir: Path
+    exps_dir: Path
+    name: str
+    storage: str
+    memory_limit_bytes: int
+    device: str
+
+    @property
+    def at(self) -> DictConfig:
+        return self.cfg.autotuning
+
+    def search_settings(self) -> SearchSettings:
+        sampler = OmegaConf.to_container(self.cfg.search.sampler, resolve=True) if self.cfg.search.sampler else None
+        return SearchSettings(
+            metric=self.at.metric,
+            tuner_type=self.at.tuner_type,
+            seed=self.cfg.search.seed,
+            early_stopping=self.at.tuner_early_stopping,
+            num_trials=self.at.tuner_num_trials,
+            num_tuning_micro_batch_sizes=self.at.num_tuning_micro_batch_sizes,
+            remeasure=self.cfg.search.remeasure,
+            memory_limit_bytes=self.memory_limit_bytes,
+            world_size=self.world_size,
+            device=self.device,
+            sampler_target=sampler,
+        )
+
+    def make_experiment(self, params: Dict[str, Any]) -> Experiment:
+        stage, mbs, gas = params["stage"], params["micro_batch"], params["gas"]
+        knobs = {k: v for k, v in params.items() if k not in ("stage", "micro_batch", "gas")}
+        return Experiment(
+            name=experiment_name(stage, gas, mbs, knobs),
+            ds_config=experiment_config(self.plan, stage, mbs, knobs),
+            script=str(self.script),
+            script_args=list(self.script_args),
+            resources=self.resources,
+            params=dict(params),
+            arg_mappings=dict(self.at.arg_mappings or {}),
+            start_profile_step=self.at.start_profile_step,
+            end_profile_step=self.at.end_profile_step,
+            memory_limit_bytes=self.memory_limit_bytes,
+            timeout_s=self.at.experiment_timeout,
+        )
+
+    def run(self, exp: Experiment) -> Result:
+        """Launch one experiment; its description also goes to exps_dir, as DeepSpeed's tuner does."""
+        atomic_write_json(self.exps_dir / f"{exp.name}.json", {"name": exp.name, "params": exp.params, "ds_config": exp.ds_config})
+        with open(self.results_dir / "launches.log", "a") as f:
+            f.write(f"{datetime.now().isoformat(timespec='seconds')} {exp.name}\n")
+        return run_experiment(exp, self.results_dir)
+
+    def open_study(self) -> optuna.Study:
+        direction = "minimize" if self.at.metric == "latency" else "maximize"
+        try:
+            return optuna.create_study(storage=self.storage, study_name=self.name, direction=direction, load_if_exists=True)
+        except ValueError as e:
+            raise UserError(f"The Optuna study {self.name!r} in {self.storage} cannot be used: {e}.", "Pick another search.session name or storage.")
+
+    def launcher_argv(self) -> List[str]:
+        r, argv = self.resources, []
+        for flag, value in (("--num_nodes", r.num_nodes), ("--num_gpus", r.num_gpus), ("--hostfile", r.hostfile), ("--include", r.include), ("--exclude", r.exclude)):
+            if value is not None:
+                argv += [flag, str(value)]
+        return argv + list(r.launcher_args)
+
+    def write_record(self, **fields: Any) -> None:
+        path = self.results_dir / SESSION_FILE
+        record = read_json(path) if path.exists() else {}
+        record.update(session=self.name, storage=self.storage, metric=self.at.metric, **fields)
+        record.setdefault("tracking", {"uri": self.cfg.tracking.tracking_uri, "experiment_name": self.cfg.tracking.experiment_name})
+        atomic_write_json(path, record)
+
+
+def open_session(cfg: DictConfig) -> Session:
+    """Validate every input and build the session. Any user mistake raises UserError."""
+    overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    ds_path = Path(cfg.config).expanduser() if cfg.config else BUNDLED_CONFIG
+    ds_config = configlib.load_ds_config(ds_path)
+    final = configlib.settings(cfg, ds_config, overrides)
+    configlib.validate(final)
+    script = _check_script(final.script)
+    script_args = _split_args(final.script_args)
+    resources = Resources(**OmegaConf.to_container(final.launcher, resolve=True))
+    _check_resources(resources)
+    ws = world_size(resources)
+    plan = build_plan(ds_config, final.autotuning, final.space, script_args, ws)
+    results_dir = _results_dir(final)
+    exps_dir = Path(final.autotuning.exps_dir or "autotuning_exps").absolute()
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        exps_dir = results_dir / "exps"
+    for d in (results_dir, exps_dir):
+        _check_writable(d)
+    device = accelerator_name()
+    limit = configlib.parse_bytes(final.autotuning.memory_limit_per_rank) if final.autotuning.memory_limit_per_rank else default_memory_limit(device, resources, ws)
+    name = final.search.session or identity(final, ds_config, script, script_args)
+    if final.autotuning.overwrite:
+        name = f"{name}-{datetime.now():%Y%m%d-%H%M%S}"
+    _check_results_dir_owner(results_dir, name, final.autotuning.overwrite)
+    storage = final.search.storage or f"sqlite:///{results_dir / 'optuna.db'}"
+    _check_tracking_uri(final.tracking.tracking_uri)
+    return Session(final, ds_path, ds_config, plan, script, script_args, resources, ws, results_dir, exps_dir, name, storage, limit, device)
+
+
+def identity(cfg: DictConfig, ds_config: Dict[str, Any], script: Path, script_args: List[str]) -> str:
+    """A stable session name from what determines the measurements (not from budgets or paths)."""
+    at = {k: v for k, v in OmegaConf.to_container(cfg.autotuning, resolve=True).items() if k not in NOT_IDENTITY}
+    user = {k: v for k, v in ds_config.items() if k != "autotuning"}
+    blob = json.dumps(
+        {
+            "script": str(script),
+            "args": script_args,
+            "ds_config": user,
+            "autotuning": at,
+            "space": OmegaConf.to_container(cfg.space, resolve=True),
+            "launcher": OmegaConf.to_container(cfg.launcher, resolve=True),
+            "seed": cfg.search.seed,
+            "sampler": OmegaConf.to_container(cfg.search.sampler, resolve=True) if cfg.search.sampler else None,
+        },
+        sort_keys=True,
+        default=str,
+    )
+    return f"{script.stem}-{cfg.autotuning.tuner_type}-{hashlib.sha256(blob.encode()).hexdigest()[:10]}"
+
+
+def _check_script(script: Optional[str]) -> Path:
+    path = Path(script).expanduser().absolute() if script else BUNDLED_SCRIPT
+    if not path.is_file():
+        raise UserError(f"The training script {str(path)!r} does not exist.", "Pass script=<path to your training script .py>, or leave script unset to tune the bundled example.")
+    if path.suffix != ".py":
+        raise UserError(f"The training script {str(path)!r} is not a Python file (.py).", "mlautotune launches Python training scripts through the DeepSpeed launcher; pass script=<your_script.py>.")
+    return path
+
+
+def _split_args(text: str) -> List[str]:
+    try:
+        return shlex.split(text or "")
+    except ValueError as e:
+        raise UserError(f"script_args cannot be split into arguments ({e}): {text!r}.", "Close the quote, e.g. script_args='--name \"my run\" --steps 20'.")
+
+
+def _check_resources(r: Resources) -> None:
+    if r.hostfile is not None:
+        path = Path(r.hostfile).expanduser()
+        if not path.is_file():
+            raise UserError(f"The hostfile {str(path)!r} does not exist.", "Pass launcher.hostfile=<path> to a file of lines like 'worker-1 slots=8', or leave it unset on one node.")
+        from deepspeed.launcher.runner import fetch_hostfile
+
+        try:
+            pool = fetch_hostfile(str(path))
+        except ValueError as e:
+            raise UserError(f"The hostfile {str(path)!r} is malformed: {e}.", "Each line must read '<hostname> slots=<number of GPUs>'.")
+        if not pool:
+            raise UserError(f"The hostfile {str(path)!r} lists no hosts.", "Each line must read '<hostname> slots=<number of GPUs>'.")
+        most = max(pool.values())
+        if r.num_gpus is not None and r.num_gpus > most:
+            raise UserError(f"launcher.num_gpus={r.num_gpus} is more than the hosts offer (at most {most} slots per host in {path}).", f"Use launcher.num_gpus<={most}, or add slots to the hostfile.")
+        if r.num_nodes is not None and r.num_nodes > len(pool):
+            raise UserError(f"launcher.num_nodes={r.num_nodes} is more than the {len(pool)} hosts in {path}.", f"Use launcher.num_nodes<={len(pool)}.")
+    elif accelerator_name() != "cpu" and r.num_gpus is not None:
+        from deepspeed.accelerator import get_accelerator
+
+        have = get_accelerator().device_count()
+        if r.num_gpus > have:
+            raise UserError(f"launcher.num_gpus={r.num_gpus} is more than this machine's {have} devices.", f"Use launcher.num_gpus<={have}, or pass a hostfile for more nodes.")
+    if r.num_gpus is not None and r.num_gpus < 1:
+        raise UserError(f"launcher.num_gpus={r.num_gpus} must be at least 1.", "Pass launcher.num_gpus=<devices per node>.")
+
+
+def _results_dir(cfg: DictConfig) -> Path:
+    base = Path(cfg.autotuning.results_dir or "autotuning_results").expanduser().absolute()
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        job = HydraConfig.get().job
+        return base / (job.override_dirname or f"job{job.num}")
+    return base
+
+
+def _check_writable(d: Path) -> None:
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        probe = d / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"The directory {str(d)!r} cannot be written ({e.strerror}).", "Set autotuning.results_dir (or exps_dir) to a folder you can write to.")
+
+
+def _check_results_dir_owner(results_dir: Path, name: str, overwrite: bool) -> None:
+    path = results_dir / SESSION_FILE
+    if overwrite or not path.exists():
+        return
+    owner = read_json(path).get("session")
+    if owner and owner != name:
+        raise UserError(
+            f"The results directory {str(results_dir)!r} holds another tuning session ({owner}) whose settings differ from this one's ({name}).",
+            "Set autotuning.results_dir to a new folder to keep both, or autotuning.overwrite=true to start afresh there.",
+        )
+
+
+def _check_tracking_uri(uri: Optional[str]) -> None:
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        return
+    from mlflow.tracking._tracking_service.utils import _get_store
+
+    try:
+        _get_store(uri)
+    except Exception as e:
+        raise UserError(f"The MLflow tracking URI {uri!r} cannot be used: {str(e).splitlines()[0]}", "Use a URI like http://127.0.0.1:5000, sqlite:///mlflow.db or a folder path, via tracking.tracking_uri or MLFLOW_TRACKING_URI.")
+
+
+def accelerator_name() -> str:
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name()
+
+
+def default_memory_limit(device: str, resources: Resources, ws: int) -> int:
+    from mlautotune.memory import default_limit
+
+    local = resources.num_gpus or max(1, ws // (resources.num_nodes or 1))
+    return default_limit(device, local)
+
+
+def hardware_params(session: Session) -> Dict[str, Any]:
+    import psutil
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    params = {
+        "hardware.accelerator": session.device,
+        "hardware.device_count": acc.device_count(),
+        "hardware.world_size": session.world_size,
+        "hardware.host": socket.gethostname(),
+        "hardware.host_memory_bytes": psutil.virtual_memory().total,
+        "hardware.cpu_count": os.cpu_count(),
+        "hardware.memory_limit_per_rank_bytes": session.memory_limit_bytes,
+        "python": sys.version.split()[0],
+    }
+    if session.device != "cpu":
+        params["hardware.device_memory_bytes"] = acc.total_memory()
+    return params
