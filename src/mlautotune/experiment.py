@@ -1,7 +1,26 @@
-"""Run one experiment through the DeepSpeed launcher and measure it. The only module that starts processes."""
+"""Run one experiment through the DeepSpeed launcher and measure it. The only module that starts processes.
 
+Each experiment is `python -m deepspeed.launcher.runner <resources> --module mlautotune.probe <exp_dir>
+<script> <args>` in its own process group; the probe in every rank writes metrics.json. The outcome
+comes from the exit code, the probe's per-rank records and the clock, never from the logs' wording.
+"""
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Optional
+
+from mlautotune import probe
+from mlautotune.errors import UserError
+from mlautotune.files import atomic_write_json, atomic_write_text, read_json
+from mlautotune.scriptargs import set_deepspeed_config, set_flag
 
 STATUSES = ("ok", "oom", "timeout", "failed", "incomplete")
 
@@ -49,3 +68,245 @@ class Result:
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "Result":
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+DEFAULT_HOSTFILE = "/job/hostfile"  # the DeepSpeed launcher's default (deepspeed.launcher.constants)
+STDERR_TAIL_LINES = 20
+POLL_S = 0.25
+_ports_lock = threading.Lock()
+_ports_in_use: set = set()  # ports of experiments running in this process (parallel runs)
+
+
+def world_size(resources: Resources) -> int:
+    """The number of ranks the DeepSpeed launcher will start for these resources."""
+    from deepspeed.launcher.runner import apply_num_nodes_and_gpus, fetch_hostfile, parse_inclusion_exclusion
+
+    r = resources
+    hostfile = r.hostfile or DEFAULT_HOSTFILE
+    if r.hostfile and not os.path.isfile(hostfile):
+        raise UserError(f"The hostfile {hostfile} does not exist.", "Fix launcher.hostfile, or drop it to run on this machine only.")
+    if (r.num_nodes is not None or r.num_gpus is not None) and (r.include or r.exclude):
+        raise UserError("launcher.num_nodes/num_gpus cannot be combined with launcher.include/exclude (the DeepSpeed launcher refuses it).",
+                        "Use either num_nodes/num_gpus or include/exclude.")
+    try:
+        pool = fetch_hostfile(hostfile) if os.path.isfile(hostfile) else None
+        if not pool:
+            if (r.num_nodes or 1) > 1:
+                raise UserError(f"launcher.num_nodes={r.num_nodes} needs a hostfile listing the nodes.", "Set launcher.hostfile.")
+            from deepspeed.accelerator import get_accelerator
+
+            pool = {"localhost": get_accelerator().device_count()}
+        active = parse_inclusion_exclusion(pool, r.include or "", r.exclude or "")
+    except ValueError as e:
+        raise UserError(f"The launcher resources are not valid: {e}.", "Fix launcher.hostfile/include/exclude.") from e
+    active = apply_num_nodes_and_gpus(active, r.num_nodes or -1, r.num_gpus or -1)
+    n = sum(len(slots) for slots in active.values())
+    if n < 1:
+        raise UserError("The launcher resources select no device at all.", "Check launcher.include/exclude and the hostfile.")
+    return n
+
+
+def lookup(config: Dict[str, Any], key: str) -> Any:
+    """A ds_config value by key, searched depth-first like DeepSpeed's get_val_by_key; None when absent."""
+    if key in config:
+        return config[key]
+    for v in config.values():
+        if isinstance(v, dict) and (found := lookup(v, key)) is not None:
+            return found
+    return None
+
+
+def experiment_args(exp: Experiment, ds_config_path: str) -> List[str]:
+    """The script's arguments for this experiment: its ds_config, and the arg_mappings flags set to its values."""
+    args = set_deepspeed_config(list(exp.script_args), ds_config_path)
+    for key, flag in exp.arg_mappings.items():
+        value = lookup(exp.ds_config, key.strip())
+        if value is not None and value != "auto":
+            args = set_flag(args, flag.strip(), str(value))
+    return args
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("", port))
+            return True
+        except OSError:
+            return False
+
+
+def reserve_port(start: int) -> int:
+    """The first port from `start` on that nothing listens on and no running experiment of ours holds."""
+    with _ports_lock:
+        for port in range(start, min(start + 1000, 65536)):
+            if port not in _ports_in_use and port_is_free(port):
+                _ports_in_use.add(port)
+                return port
+    raise RuntimeError(f"no free TCP port in {start}..{start + 999}")
+
+
+def launch_command(exp: Experiment, exp_dir: Path, port: int, args: List[str], probed: bool = True) -> List[str]:
+    """The DeepSpeed launcher command; `probed=False` gives the plain command a user would type for this config."""
+    r = exp.resources
+    cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner"] if probed else ["deepspeed"]
+    for flag, value in (("--hostfile", r.hostfile), ("--num_nodes", r.num_nodes), ("--num_gpus", r.num_gpus),
+                        ("--include", r.include), ("--exclude", r.exclude), ("--launcher", r.launcher)):
+        if value not in (None, ""):
+            cmd += [flag, str(value)]
+    cmd += list(r.launcher_args)  # further DeepSpeed launcher flags, e.g. --no_ssh, --bind_cores_to_rank
+    if not probed:
+        return cmd + [exp.script, *args]
+    return cmd + ["--master_port", str(port), "--module", "mlautotune.probe", str(exp_dir), exp.script, *args]
+
+
+def _end_group(proc: subprocess.Popen, graceful: bool) -> None:
+    """Kill the experiment's whole process group; with a hostfile, let the launcher stop remote ranks first."""
+    if graceful and proc.poll() is None:
+        proc.terminate()  # the DeepSpeed runner turns SIGTERM into a kill on every node
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _raise_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def _measured_everywhere(exp_dir: Path) -> bool:
+    """True once metrics.json is written and every rank has recorded its measurement and exited.
+
+    The ranks exit right after that record; waiting on the launcher to notice would add ~3 s per
+    experiment (its 1 s poll plus two interpreter shutdowns with torch loaded).
+    """
+    import psutil
+
+    if not (exp_dir / probe.METRICS_FILE).exists():
+        return False
+    ranks = [r for r in _rank_records(exp_dir) if r.get("status") == "measured"]
+    if len(ranks) < read_json(exp_dir / probe.METRICS_FILE).get("world_size", 1):
+        return False
+    here = socket.gethostname()
+    for r in ranks:
+        if r.get("host") == here:
+            try:
+                if psutil.Process(r["pid"]).status() != psutil.STATUS_ZOMBIE:
+                    return False
+            except psutil.NoSuchProcess:
+                pass
+    return True
+
+
+def _wait(proc: subprocess.Popen, exp_dir: Path, timeout_s: float, graceful: bool) -> tuple:
+    """Wait for the experiment: (timed_out, measured). The group is always killed before returning."""
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if in_main else None
+    if in_main and previous == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _raise_on_sigterm)  # so SIGTERM unwinds through the cleanup below
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            try:
+                proc.wait(timeout=min(POLL_S, max(0.0, deadline - time.monotonic())))
+                return False, False
+            except subprocess.TimeoutExpired:
+                if _measured_everywhere(exp_dir):
+                    return False, True
+        return proc.poll() is None, False
+    finally:
+        _end_group(proc, graceful)  # also on KeyboardInterrupt/SIGTERM, which then propagate
+        if in_main and previous == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _rank_records(exp_dir: Path) -> List[dict]:
+    records = []
+    for path in sorted(exp_dir.glob("rank*.json")):
+        try:
+            records.append(read_json(path))
+        except (OSError, ValueError):
+            pass
+    return records
+
+
+def _tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def classify(returncode: Optional[int], timed_out: bool, exp_dir: Path, timeout_s: float) -> tuple:
+    """(status, reason, metrics) from how the launcher ended and what the probe left in exp_dir."""
+    ranks = _rank_records(exp_dir)
+    metrics_path = exp_dir / probe.METRICS_FILE
+    if timed_out:
+        return "timeout", f"no result after {timeout_s:g} s; the experiment's process group was killed", {}
+    oom = [r for r in ranks if r.get("status") == "oom"]
+    if returncode == probe.OOM_EXIT_CODE or oom:
+        peak = max((r.get("peak_memory_bytes") or 0 for r in ranks), default=0)
+        metrics = {"peak_memory_bytes": peak} if peak else {}
+        if oom and oom[0].get("memory_limit_bytes"):
+            metrics["memory_limit_bytes"] = oom[0]["memory_limit_bytes"]
+        reason = oom[0].get("reason", "") if oom else "a rank ran out of memory"
+        return "oom", reason, metrics
+    if returncode == 0 and metrics_path.exists():
+        return "ok", "", read_json(metrics_path)
+    if returncode == 0:
+        reasons = [r["reason"] for r in ranks if r.get("reason")]
+        return "incomplete", reasons[0] if reasons else "the script ended before the measurement window", {}
+    return "failed", f"exit code {returncode}:\n{_tail(exp_dir / 'stderr.log')}", {}
+
+
+def run_experiment(exp: Experiment, results_dir: Path) -> Result:
+    """Launch one experiment, wait for it (at most exp.timeout_s) and say how it ended. Leaves no process behind."""
+    started = time.time()
+    exp_dir = (Path(results_dir) / exp.name).absolute()
+    exp_dir.mkdir(parents=True, exist_ok=True)
+    for stale in [exp_dir / probe.METRICS_FILE, exp_dir / "result.json", *exp_dir.glob("rank*.json")]:
+        stale.unlink(missing_ok=True)
+
+    ds_config_path = exp_dir / "ds_config.json"
+    # Never DeepSpeed's own autotuning: its engine would stop the run at its own end_profile_step.
+    atomic_write_json(ds_config_path, {k: v for k, v in exp.ds_config.items() if k != "autotuning"})
+    args = experiment_args(exp, str(ds_config_path))
+    port = reserve_port(exp.resources.master_port)
+    try:
+        cmd = launch_command(exp, exp_dir, port, args)
+        atomic_write_text(exp_dir / "cmd.txt", shlex.join(cmd) + "\n")
+        atomic_write_json(exp_dir / "exp.json", {
+            "name": exp.name, "params": exp.params, "ds_config": str(ds_config_path), "script": exp.script,
+            "plain_cmd": launch_command(exp, exp_dir, port, args, probed=False),
+            "script_args": args, "user_script_args": exp.script_args, "arg_mappings": exp.arg_mappings,
+            "resources": asdict(exp.resources), "master_port": port, "start_profile_step": exp.start_profile_step,
+            "end_profile_step": exp.end_profile_step, "memory_limit_bytes": exp.memory_limit_bytes, "timeout_s": exp.timeout_s})
+        atomic_write_json(exp_dir / probe.SETTINGS_FILE, {
+            "start_profile_step": exp.start_profile_step, "end_profile_step": exp.end_profile_step,
+            "memory_limit_bytes": exp.memory_limit_bytes, "tuner_pid": os.getpid(), "tuner_pgid": os.getpgrp(),
+            "tuner_create_time": _create_time(), "tuner_host": socket.gethostname(), "launch_time": time.time()})
+        with open(exp_dir / "stdout.log", "w") as out, open(exp_dir / "stderr.log", "w") as err:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
+            budget = max(0.0, exp.timeout_s - (time.time() - started))
+            timed_out, measured = _wait(proc, exp_dir, budget, graceful=bool(exp.resources.hostfile))
+    finally:
+        with _ports_lock:
+            _ports_in_use.discard(port)
+
+    # Measured everywhere: every rank ended with os._exit(0); only the launcher's shutdown was cut short.
+    returncode = 0 if measured else proc.returncode
+    status, reason, metrics = classify(returncode, timed_out, exp_dir, exp.timeout_s)
+    result = Result(name=exp.name, status=status, metrics=metrics, reason=reason, wall_time_s=time.time() - started,
+                    exp_dir=str(exp_dir), returncode=returncode)
+    atomic_write_json(exp_dir / "result.json", result.to_dict())
+    return result
+
+
+def _create_time() -> float:
+    import psutil
+
+    return psutil.Process().create_time()

@@ -1,0 +1,264 @@
+"""Runs inside every training rank and measures it, with no change to the user's script.
+
+The DeepSpeed launcher starts each rank as
+    python -u -m mlautotune.probe [--local_rank=N] <exp_dir> <script> [script args]
+The probe reads its settings from <exp_dir>/probe.json, wraps DeepSpeedEngine.forward/step, then
+runs the script as `__main__`. It times every optimizer step (wall clock, everything included),
+takes the slowest rank per step, writes <exp_dir>/metrics.json from rank 0 once the window
+[start_profile_step, end_profile_step] is measured, and ends all ranks at once.
+Each rank also writes <exp_dir>/rank<N>.json (peak memory, step count, timeline), even on OOM.
+"""
+
+import json
+import os
+import resource
+import runpy
+import signal
+import socket
+import statistics
+import sys
+import threading
+import time
+
+PROBE_START = time.time()  # before torch and deepspeed are imported: the start of "imports"
+
+OOM_EXIT_CODE = 87  # a rank whose peak memory passed the limit, or that hit a real accelerator OOM
+SETTINGS_FILE = "probe.json"
+METRICS_FILE = "metrics.json"
+WATCH_INTERVAL_S = 0.05
+
+
+def rank_file(rank) -> str:
+    return f"rank{rank}.json"
+
+
+def peak_memory_bytes(device: str) -> int:
+    """This rank's peak memory: the accelerator's max allocated, or the peak RSS on CPU."""
+    if device != "cpu":
+        from deepspeed.accelerator import get_accelerator
+
+        return int(get_accelerator().max_memory_allocated())
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
+
+
+def process_is_alive(pid: int, create_time: float) -> bool:
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        return abs(p.create_time() - create_time) < 1.0 and p.status() != psutil.STATUS_ZOMBIE  # not a reused pid
+    except psutil.NoSuchProcess:
+        return False
+
+
+class Probe:
+    def __init__(self, exp_dir: str, settings: dict):
+        self.exp_dir = exp_dir
+        self.settings = settings
+        self.rank = int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", 0)))
+        self.start = max(2, int(settings["start_profile_step"]))  # step 1 has no previous boundary
+        self.end = max(self.start, int(settings["end_profile_step"]))
+        self.limit = settings.get("memory_limit_bytes")
+        self.device = "cpu"
+        self.boundaries = []  # perf_counter when engine.global_steps became 1, 2, ...
+        self.fwd_flops = None  # one micro-batch forward, from DeepSpeed's flops profiler
+        self.peak = 0
+        self.timeline = {"probe_start": PROBE_START, "launch": settings.get("launch_time")}
+        self.lock = threading.Lock()
+
+    def mark(self, event: str) -> None:
+        self.timeline.setdefault(event, time.time())
+
+    def rank_record(self, status: str, **extra) -> dict:
+        return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "status": status, "peak_memory_bytes": self.peak,
+                "memory_limit_bytes": self.limit, "optimizer_steps": len(self.boundaries),
+                "timeline": dict(self.timeline), **extra}
+
+    def write_rank_record(self, status: str, **extra) -> None:
+        from mlautotune.files import atomic_write_json
+
+        atomic_write_json(os.path.join(self.exp_dir, rank_file(self.rank)), self.rank_record(status, **extra))
+
+    def ended_early(self) -> str:
+        self.mark("script_end")
+        return (f"the script ended after {len(self.boundaries)} optimizer steps, before the measurement window "
+                f"(steps {self.start}..{self.end}) was complete")
+
+    def exit_oom(self, reason: str) -> None:
+        with self.lock:  # the watchdog and the training thread may both get here
+            self.write_rank_record("oom", reason=reason)
+            print(f"mlautotune probe: rank {self.rank}: {reason}", file=sys.stderr, flush=True)
+            os._exit(OOM_EXIT_CODE)
+
+    def check_memory(self) -> None:
+        self.peak = max(self.peak, peak_memory_bytes(self.device))
+        if self.limit and self.peak > self.limit:
+            self.exit_oom(f"peak memory {self.peak} bytes is over the limit of {self.limit} bytes per rank")
+
+    def watchdog(self) -> None:
+        """Samples RSS on CPU (a spike inside a step counts) and ends the experiment if the tuner is gone."""
+        s = self.settings
+        watch_tuner = s.get("tuner_pid") and s.get("tuner_host") == socket.gethostname()
+        next_tuner_check = 0.0
+        while True:
+            if self.device == "cpu":
+                self.check_memory()
+            if watch_tuner and time.monotonic() > next_tuner_check:
+                next_tuner_check = time.monotonic() + 1.0
+                if not process_is_alive(s["tuner_pid"], s["tuner_create_time"]) and os.getpgrp() != s["tuner_pgid"]:
+                    print(f"mlautotune probe: tuner {s['tuner_pid']} is gone; ending the experiment", file=sys.stderr)
+                    os.killpg(os.getpgrp(), signal.SIGKILL)
+            time.sleep(WATCH_INTERVAL_S)
+
+    # Hooks called from the patched engine.
+    def on_forward(self, engine, forward, args, kwargs):
+        if self.fwd_flops is not None:
+            return forward(engine, *args, **kwargs)
+        from deepspeed.profiling.flops_profiler import FlopsProfiler
+
+        self.mark("first_forward")
+        prof = FlopsProfiler(engine.module)
+        prof.start_profile()
+        try:
+            out = forward(engine, *args, **kwargs)
+            self.fwd_flops = prof.get_total_flops()
+        finally:
+            prof.end_profile()
+        self.mark("flops_profiled")
+        return out
+
+    def on_step(self, engine) -> None:
+        self.boundaries.append(time.perf_counter())
+        self.check_memory()
+        if len(self.boundaries) == self.start - 1:
+            self.mark("window_start")
+        if len(self.boundaries) >= self.end:
+            self.mark("window_end")
+            self.finish(engine)
+
+    def finish(self, engine) -> None:
+        """Combine the ranks' step times (slowest rank per step), write metrics.json on rank 0, end every rank."""
+        from deepspeed import comm as dist
+
+        from mlautotune.files import atomic_write_json
+
+        b = self.boundaries
+        mine = {"step_times": [b[n - 1] - b[n - 2] for n in range(self.start, self.end + 1)],
+                "peak": self.peak, "fwd_flops": self.fwd_flops or 0}
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, mine)
+        if self.rank == 0:
+            steps = [max(per_rank) for per_rank in zip(*(r["step_times"] for r in ranks))]
+            atomic_write_json(os.path.join(self.exp_dir, METRICS_FILE), self.metrics(engine, steps, ranks))
+        self.mark("combined")
+        self.write_rank_record("measured")
+        dist.barrier()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    def metrics(self, engine, steps, ranks) -> dict:
+        med, lo, hi = statistics.median(steps), min(steps), max(steps)
+        tbs, mbs, gas = engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+        params = list(engine.module.parameters())
+        numel = lambda p: getattr(p, "ds_numel", p.numel())  # ZeRO-3 partitions keep the full size in ds_numel
+        fwd_flops = max(r["fwd_flops"] for r in ranks)
+        return {
+            "throughput": tbs / med,
+            "latency": med * 1000.0,
+            "FLOPS_per_gpu": 3 * fwd_flops * gas / med,  # forward + backward (2x forward), every micro-step
+            "peak_memory_bytes": max(r["peak"] for r in ranks),
+            "step_time_median_ms": med * 1000.0,
+            "step_time_min_ms": lo * 1000.0,
+            "step_time_max_ms": hi * 1000.0,
+            "step_time_spread": (hi - lo) / med,
+            "step_times_ms": [t * 1000.0 for t in steps],
+            "train_batch_size": tbs,
+            "micro_batch": mbs,
+            "gas": gas,
+            "world_size": len(ranks),
+            "num_params": sum(numel(p) for p in params),
+            "trainable_num_params": sum(numel(p) for p in params if p.requires_grad),
+            "start_profile_step": self.start,
+            "end_profile_step": self.end,
+        }
+
+
+def install(probe: Probe) -> None:
+    """Wrap the engine's forward/step and time deepspeed.initialize and the process-group init."""
+    import deepspeed
+    import deepspeed.comm
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    forward, step = DeepSpeedEngine.forward, DeepSpeedEngine.step
+
+    def probed_forward(engine, *args, **kwargs):
+        return probe.on_forward(engine, forward, args, kwargs)
+
+    def probed_step(engine, *args, **kwargs):
+        before = engine.global_steps
+        out = step(engine, *args, **kwargs)
+        if engine.global_steps != before:
+            probe.on_step(engine)
+        return out
+
+    DeepSpeedEngine.forward, DeepSpeedEngine.step = probed_forward, probed_step
+
+    def timed(fn, start, end):
+        def wrapper(*args, **kwargs):
+            probe.mark(start)
+            out = fn(*args, **kwargs)
+            probe.mark(end)
+            return out
+        return wrapper
+
+    deepspeed.comm.init_distributed = timed(deepspeed.comm.init_distributed, "pg_init_start", "pg_init_end")
+    deepspeed.init_distributed = timed(deepspeed.init_distributed, "pg_init_start", "pg_init_end")
+    deepspeed.initialize = timed(deepspeed.initialize, "initialize_start", "initialize_end")
+
+
+def is_accelerator_oom(exc: BaseException) -> bool:
+    import torch
+
+    while exc is not None:
+        if isinstance(exc, torch.OutOfMemoryError):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def main(argv) -> None:
+    local_rank = [argv.pop(0)] if argv and argv[0].startswith("--local_rank") else []
+    exp_dir, script, script_args = argv[0], argv[1], argv[2:]
+    with open(os.path.join(exp_dir, SETTINGS_FILE)) as f:
+        probe = Probe(exp_dir, json.load(f))
+
+    import deepspeed  # noqa: F401  (imported here so "imports" is timed apart from the script)
+    from deepspeed.accelerator import get_accelerator
+
+    probe.device = get_accelerator().device_name()
+    threading.Thread(target=probe.watchdog, name="mlautotune-watchdog", daemon=True).start()
+    install(probe)
+    probe.mark("script_start")
+
+    sys.argv = [script, *local_rank, *script_args]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python script.py` would have it
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code in (0, None):
+            probe.write_rank_record("ended", reason=probe.ended_early())
+        else:
+            probe.write_rank_record("failed", reason=f"the script called exit({e.code!r})")
+        raise
+    except BaseException as e:
+        if is_accelerator_oom(e):
+            probe.exit_oom(f"accelerator out of memory: {e}")
+        probe.write_rank_record("failed", error=repr(e)[-500:])
+        raise
+    probe.write_rank_record("ended", reason=probe.ended_early())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

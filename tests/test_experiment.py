@@ -1,0 +1,199 @@
+"""The experiment runner and the probe: pure helpers directly, then real 2-rank CPU DeepSpeed launches (e2e)."""
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from mlautotune import probe
+from mlautotune.errors import UserError
+from mlautotune.experiment import (Resources, classify, experiment_args, launch_command, reserve_port,
+                                   run_experiment, world_size)
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+# ---------- pure helpers ----------
+
+def test_world_size_from_launcher_resources(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("worker-0 slots=4\nworker-1 slots=4\n# a comment\n")
+    h = str(hostfile)
+    assert world_size(Resources(num_gpus=2)) == 2
+    assert world_size(Resources(hostfile=h)) == 8
+    assert world_size(Resources(hostfile=h, num_nodes=1)) == 4
+    assert world_size(Resources(hostfile=h, num_nodes=2, num_gpus=2)) == 4
+    assert world_size(Resources(hostfile=h, include="worker-0:0,1@worker-1:3")) == 3
+    assert world_size(Resources(hostfile=h, exclude="worker-1")) == 4
+    from deepspeed.accelerator import get_accelerator
+
+    assert world_size(Resources()) == get_accelerator().device_count()
+
+
+def test_world_size_rejects_bad_resources(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("worker-0 slots=2\n")
+    for bad in (Resources(hostfile=str(tmp_path / "missing")), Resources(num_nodes=2),
+                Resources(hostfile=str(hostfile), include="worker-9"), Resources(num_gpus=1, include="localhost:0")):
+        with pytest.raises(UserError):
+            world_size(bad)
+
+
+def test_experiment_args_point_at_the_config_and_apply_arg_mappings(tiny_experiment):
+    exp = tiny_experiment(mbs=8, gas=4, script_args=["--deepspeed_config", "user.json", "--per_device_train_batch_size=1", "--lr", "3"])
+    exp.arg_mappings = {" train_micro_batch_size_per_gpu ": " --per_device_train_batch_size",
+                        "gradient_accumulation_steps": "--gradient_accumulation_steps", "stage": "--zero_stage",
+                        "missing_key": "--nothing"}
+    args = experiment_args(exp, "/r/x/ds_config.json")
+    assert args == ["--deepspeed_config", "/r/x/ds_config.json", "--per_device_train_batch_size=8", "--lr", "3",
+                    "--gradient_accumulation_steps", "4", "--zero_stage", "0"]  # nested key found, like DeepSpeed
+    assert exp.script_args[2] == "--per_device_train_batch_size=1"  # the experiment's own list is untouched
+    exp.ds_config["gradient_accumulation_steps"] = "auto"
+    assert "--gradient_accumulation_steps" not in experiment_args(exp, "c.json")  # "auto" is left to the script
+
+
+def test_launch_command_goes_through_the_deepspeed_launcher_with_the_probe(tiny_experiment, tmp_path):
+    exp = tiny_experiment()
+    exp.resources = Resources(num_gpus=2, launcher="openmpi", launcher_args=["--bind_cores_to_rank"])
+    cmd = launch_command(exp, tmp_path, 29611, ["--a", "1"])
+    assert cmd[1:4] == ["-u", "-m", "deepspeed.launcher.runner"]
+    assert cmd[cmd.index("--num_gpus") + 1] == "2" and cmd[cmd.index("--launcher") + 1] == "openmpi"
+    assert "--bind_cores_to_rank" in cmd and "--hostfile" not in cmd and "--include" not in cmd
+    assert cmd[-8:] == ["--master_port", "29611", "--module", "mlautotune.probe", str(tmp_path), exp.script, "--a", "1"]
+
+
+def test_reserve_port_skips_ports_in_use():
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        got = reserve_port(port)
+        assert got > port
+        assert reserve_port(port) > got  # a port handed to a running experiment is not handed out twice
+
+
+def test_classify_reads_exit_codes_and_probe_records(tmp_path):
+    assert classify(None, True, tmp_path, 30)[0] == "timeout"
+    (tmp_path / "stderr.log").write_text("".join(f"line {i}\n" for i in range(40)) + "ValueError: boom\n")
+    status, reason, metrics = classify(1, False, tmp_path, 30)
+    assert status == "failed" and reason.endswith("ValueError: boom") and "line 20" not in reason and metrics == {}
+    assert classify(0, False, tmp_path, 30)[0] == "incomplete"
+    (tmp_path / "rank1.json").write_text(json.dumps({"status": "oom", "peak_memory_bytes": 900, "memory_limit_bytes": 800, "reason": "over"}))
+    assert classify(1, False, tmp_path, 30) == ("oom", "over", {"peak_memory_bytes": 900, "memory_limit_bytes": 800})
+    (tmp_path / "rank1.json").unlink()
+    assert classify(probe.OOM_EXIT_CODE, False, tmp_path, 30)[0] == "oom"
+    (tmp_path / "metrics.json").write_text(json.dumps({"throughput": 5.0}))
+    assert classify(0, False, tmp_path, 30) == ("ok", "", {"throughput": 5.0})
+
+
+# ---------- real launches: 2 CPU ranks, tiny model ----------
+
+def tiny_num_params(vocab=256, hidden=32, seq=32, layers=1):
+    h = hidden
+    block = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (4 * h * h + 4 * h) + (4 * h * h + h)
+    return vocab * h + seq * h + layers * block + 2 * h  # the head is tied to the token embedding
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_every_zero_stage_is_measured(stage, tiny_experiment, tmp_path, leftovers):
+    with socket.socket() as busy:  # the configured master port is taken: the experiment must move on
+        busy.bind(("", 0))
+        busy.listen()
+        base_port = busy.getsockname()[1]
+        exp = tiny_experiment(name=f"z{stage}_gas2_tmbspg3", stage=stage, mbs=3, gas=2,
+                              script_args=["--deepspeed_config", "user.json", "--per_device_train_batch_size", "1",
+                                           "--num_layers", "1", "--hidden_size", "32", "--num_heads", "2",
+                                           "--seq_len", "32", "--vocab_size", "256"])
+        exp.resources.master_port = base_port
+        result = run_experiment(exp, tmp_path)
+
+    assert result.status == "ok", result.reason
+    d = Path(result.exp_dir)
+    for name in ("cmd.txt", "ds_config.json", "exp.json", "metrics.json", "stdout.log", "stderr.log"):
+        assert (d / name).is_file(), name
+    assert json.loads((d / "ds_config.json").read_text()) == exp.ds_config
+    assert json.loads((d / "exp.json").read_text())["master_port"] > base_port
+    assert "--module mlautotune.probe" in (d / "cmd.txt").read_text()
+    # arg_mappings reached the script: it parsed the experiment's values, not the user's --per_device_train_batch_size 1
+    assert (d / "stdout.log").read_text().count("gpt.py flags: per_device_train_batch_size=3 gradient_accumulation_steps=2") == 2
+
+    m = result.metrics
+    assert m == json.loads((d / "metrics.json").read_text())
+    assert (m["train_batch_size"], m["micro_batch"], m["gas"], m["world_size"]) == (12, 3, 2, 2)
+    assert m["throughput"] > 0 and m["FLOPS_per_gpu"] > 0 and m["peak_memory_bytes"] > 50 * 2**20
+    assert m["latency"] * m["throughput"] / 1000 == pytest.approx(m["train_batch_size"])
+    assert len(m["step_times_ms"]) == exp.end_profile_step - exp.start_profile_step + 1
+    assert m["step_time_min_ms"] <= m["step_time_median_ms"] == m["latency"] <= m["step_time_max_ms"]
+    assert m["num_params"] == m["trainable_num_params"] == tiny_num_params()  # ZeRO-3 partitions counted in full
+    assert 0 < result.wall_time_s < 120 and result.returncode == 0
+    assert leftovers(str(d)) == []
+
+
+@pytest.mark.e2e
+def test_memory_over_the_limit_is_oom(tiny_experiment, tmp_path, leftovers):
+    limit = 300 * 2**20  # below what torch + DeepSpeed alone take on CPU
+    result = run_experiment(tiny_experiment(memory_limit_bytes=limit), tmp_path)
+    assert result.status == "oom" and result.returncode == probe.OOM_EXIT_CODE
+    assert result.metrics["peak_memory_bytes"] > limit == result.metrics["memory_limit_bytes"]
+    assert "over the limit" in result.reason
+    assert not (Path(result.exp_dir) / "metrics.json").exists()
+    assert leftovers(result.exp_dir) == []
+
+
+@pytest.mark.e2e
+def test_a_script_that_raises_is_failed_with_its_message(tiny_experiment, tmp_path, leftovers):
+    result = run_experiment(tiny_experiment(script=SCRIPTS / "raise_error.py", script_args=[]), tmp_path)
+    assert result.status == "failed"
+    assert "tiny script failed on purpose: code 4242" in result.reason
+    assert result.returncode not in (0, probe.OOM_EXIT_CODE)
+    assert leftovers(result.exp_dir) == []
+
+
+@pytest.mark.e2e
+def test_a_hung_script_times_out_and_leaves_no_process(tiny_experiment, tmp_path, leftovers):
+    marker = tmp_path / "started"
+    exp = tiny_experiment(script=SCRIPTS / "sleep_forever.py", script_args=["--marker", str(marker)], timeout_s=25.0)
+    t0 = time.time()
+    result = run_experiment(exp, tmp_path)
+    assert result.status == "timeout" and "25 s" in result.reason
+    assert time.time() - t0 < exp.timeout_s + 5
+    rank_pids = [int(p.read_text()) for p in tmp_path.glob("started.*")]
+    assert len(rank_pids) == 2  # both ranks were inside the script when the group was killed
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in rank_pids)
+    assert leftovers(result.exp_dir) == []
+
+
+@pytest.mark.e2e
+def test_a_script_that_ends_before_the_window_is_incomplete(tiny_experiment, tmp_path, leftovers):
+    exp = tiny_experiment(script_args=["--steps", "2", "--num_layers", "1", "--hidden_size", "32", "--vocab_size", "256"])
+    result = run_experiment(exp, tmp_path)
+    assert result.status == "incomplete" and result.returncode == 0
+    assert "after 2 optimizer steps" in result.reason
+    assert not (Path(result.exp_dir) / "metrics.json").exists()
+    assert leftovers(result.exp_dir) == []
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_stopped_or_killed_tuner_leaves_no_training_process(sig, tmp_path, leftovers):
+    """SIGTERM: the runner kills the group and re-raises. SIGKILL: the probe's watchdog in the ranks ends the group."""
+    marker = tmp_path / "started"
+    tuner = subprocess.Popen([sys.executable, str(SCRIPTS / "tuner_running_a_hung_experiment.py"), str(tmp_path), str(marker)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 90
+    while len(list(tmp_path.glob("started.*"))) < 2 and time.time() < deadline and tuner.poll() is None:
+        time.sleep(0.2)
+    assert len(list(tmp_path.glob("started.*"))) == 2, tuner.stderr.read().decode()[-2000:]
+    tuner.send_signal(sig)
+    assert tuner.wait(timeout=30) == (128 + sig if sig == signal.SIGTERM else -sig)
+    deadline = time.time() + 10  # the watchdog looks for the tuner once a second
+    while leftovers(str(tmp_path / "hung")) and time.time() < deadline:
+        time.sleep(0.2)
+    assert leftovers(str(tmp_path / "hung")) == []

@@ -1,0 +1,207 @@
+"""Whole tuning sessions through the command line: real DeepSpeed launches (CPU, 2 ranks), a real
+Optuna study, and a real MLflow store read back with MlflowClient."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from mlflow.tracking import MlflowClient
+
+from conftest import MAPPINGS, TINY_MODEL
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = Path(__file__).parent / "scripts" / "heavy_gpt.py"
+pytestmark = pytest.mark.e2e
+
+
+def write_config(path: Path, mbs, stages, **autotuning) -> Path:
+    at = {"enabled": True, "start_profile_step": 2, "end_profile_step": 3, "arg_mappings": MAPPINGS, "tuner_type": "gridsearch", **autotuning}
+    cfg = {
+        "train_micro_batch_size_per_gpu": mbs,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": stages},
+        "autotuning": at,
+    }
+    path.write_text(json.dumps(cfg, indent=1))
+    return path
+
+
+def cli(tmp_path: Path, *args: str, script=HEAVY, extra_env=None, **popen):
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", **(extra_env or {})}
+    argv = [sys.executable, "-m", "mlautotune", *args]
+    if script is not None:
+        argv += [f"script={script}", f"script_args={' '.join(TINY_MODEL)}", "launcher.num_gpus=2", "search.remeasure=0"]
+    return subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+
+
+def finish(proc, timeout=600):
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+
+
+def client(tmp_path) -> MlflowClient:
+    return MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+
+
+def runs(tmp_path, role=None):
+    c = client(tmp_path)
+    exp = c.get_experiment_by_name("mlautotune")
+    found = c.search_runs([exp.experiment_id], max_results=1000)
+    return [r for r in found if role is None or r.data.tags.get("mlautotune.role") == role]
+
+
+def test_session_is_tracked_parent_and_children(tmp_path):
+    """mbs 1 and 2 run, 3 crashes, 24 is over the memory limit: ok, ok, failed, oom."""
+    config = write_config(tmp_path / "ds.json", [1, 2, 3, 24], 0, memory_limit_per_rank="2GiB", tuner_num_trials=6)
+    code, out = finish(cli(tmp_path, f"config={config}"))
+    assert code == 0, out
+    results = tmp_path / "autotuning_results"
+
+    (parent,) = runs(tmp_path, "session")
+    children = [r for r in runs(tmp_path) if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    by_name = {r.data.tags["experiment"]: r for r in children}
+    assert set(by_name) == {"z0_gas1_tmbspg1", "z0_gas1_tmbspg2", "z0_gas1_tmbspg3", "z0_gas1_tmbspg24"}
+    status = {n: r.data.tags["status"] for n, r in by_name.items()}
+    assert status == {"z0_gas1_tmbspg1": "ok", "z0_gas1_tmbspg2": "ok", "z0_gas1_tmbspg3": "failed", "z0_gas1_tmbspg24": "oom"}
+    assert "simulated crash" in by_name["z0_gas1_tmbspg3"].data.tags["failure_reason"]
+    assert by_name["z0_gas1_tmbspg24"].data.tags["failure_reason"]
+    assert by_name["z0_gas1_tmbspg24"].data.metrics["peak_memory_bytes"] > 2 * 2**30
+
+    for name in ("z0_gas1_tmbspg1", "z0_gas1_tmbspg2"):
+        r = by_name[name]
+        assert {"stage", "micro_batch_size", "gradient_accumulation_steps", "train_batch_size"} <= set(r.data.params)
+        m = r.data.metrics
+        assert m["throughput"] > 0 and m["FLOPS_per_gpu"] > 0 and m["peak_memory_bytes"] > 0
+        tbs = int(r.data.params["train_batch_size"])
+        assert m["latency"] == pytest.approx(1000 * tbs / m["throughput"], rel=0.01)
+        assert {"step_time_median_ms", "step_time_spread"} <= set(m)
+        arts = {a.path for a in client(tmp_path).list_artifacts(r.info.run_id, "experiment")}
+        assert {f"experiment/{f}" for f in ("cmd.txt", "ds_config.json", "exp.json", "metrics.json", "stdout.log", "stderr.log")} <= arts
+
+    best_child = max((r for r in children if r.data.tags["status"] == "ok"), key=lambda r: r.data.metrics["throughput"])
+    assert parent.data.tags["best_experiment"] == best_child.data.tags["experiment"]
+    assert parent.data.metrics["best_throughput"] == pytest.approx(best_child.data.metrics["throughput"])
+    assert parent.data.metrics["z0_best_throughput"] == pytest.approx(best_child.data.metrics["throughput"])
+    assert parent.data.metrics["num_oom"] == 1 and parent.data.metrics["num_failed"] == 1 and parent.data.metrics["num_ok"] == 2
+    assert parent.info.status == "FINISHED" and parent.data.tags["status"] == "complete"
+    assert "hardware.accelerator" in parent.data.params and parent.data.params["cfg.autotuning.tuner_type"] == "gridsearch"
+    parent_arts = {a.path for a in client(tmp_path).list_artifacts(parent.info.run_id)}
+    assert {"summary.txt", "ds_config_optimal.json", "cmd_optimal.txt", "trials.csv", "plots"} <= parent_arts
+
+    optimal = json.loads((results / "ds_config_optimal.json").read_text())
+    assert optimal["train_micro_batch_size_per_gpu"] == int(best_child.data.params["micro_batch_size"])
+    assert optimal["mlautotune"]["status"] == "complete" and "autotuning" not in optimal
+    summary = (results / "summary.txt").read_text()
+    assert "| global" in summary and best_child.data.tags["experiment"] in summary
+    for png in ("throughput_vs_micro_batch.png", "history.png", "best_so_far.png"):
+        assert (results / "plots" / png).stat().st_size > 5000
+    assert "best:" in out and "z0_gas1_tmbspg24 oom" in out.replace("  ", " ")
+
+
+def test_interrupt_then_kill_then_resume(tmp_path, leftovers):
+    """SIGINT leaves partial outputs and KILLED runs; SIGKILL leaves no training process; the
+    rerun completes, runs no finished experiment twice, and the parent has each experiment once."""
+    config = write_config(tmp_path / "ds.json", [1, 2, 4, 6], 0, tuner_num_trials=8)
+    launches = tmp_path / "autotuning_results" / "launches.log"
+    lines = lambda: launches.read_text().splitlines() if launches.exists() else []
+
+    proc = cli(tmp_path, f"config={config}")
+    wait_for(lambda: len(lines()) >= 2, proc)  # the first experiment finished, the second runs
+    proc.send_signal(signal.SIGINT)
+    code, out = finish(proc, 120)
+    assert code == 130, out
+    results = tmp_path / "autotuning_results"
+    assert (results / "summary.txt").read_text().startswith("PARTIAL")
+    assert json.loads((results / "ds_config_optimal.json").read_text())["mlautotune"]["status"] == "partial"
+    (parent,) = runs(tmp_path, "session")
+    assert parent.info.status == "KILLED"
+    assert {r.info.status for r in runs(tmp_path, "experiment")} == {"FINISHED", "KILLED"}
+
+    proc = cli(tmp_path, f"config={config}", start_new_session=True)
+    wait_for(lambda: len(lines()) >= 4, proc)  # resumed: the interrupted one again, then one more
+    time.sleep(3)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    deadline = time.time() + 15
+    while leftovers(str(results)) and time.time() < deadline:
+        time.sleep(0.5)
+    assert leftovers(str(results)) == []
+
+    code, out = finish(cli(tmp_path, f"config={config}"))
+    assert code == 0, out
+    names = [l.split()[1] for l in lines()]
+    finished = [r.data.tags["experiment"] for r in runs(tmp_path, "experiment") if r.data.tags.get("status") != "running"]
+    assert sorted(set(names)) == sorted(names_set := set(finished)) == sorted({f"z0_gas1_tmbspg{m}" for m in (1, 2, 4, 6)})
+    assert len(finished) == len(names_set)  # each experiment once under the parent
+    # A launch is repeated only when it was cut short: at most the two interrupted ones.
+    assert len(names) - len(set(names)) <= 2
+    (parent,) = runs(tmp_path, "session")
+    assert parent.info.status == "FINISHED"
+
+
+def test_unreachable_tracking_then_sync(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    config = write_config(tmp_path / "ds.json", [2], 0, tuner_num_trials=2)
+    code, out = finish(cli(tmp_path, f"config={config}", f"tracking.tracking_uri=http://127.0.0.1:{dead_port}"))
+    assert code == 0, out
+    assert "mlautotune sync" in out
+    results = tmp_path / "autotuning_results"
+    assert json.loads((results / "session.json").read_text())["status"] == "complete"
+    assert (results / "ds_config_optimal.json").exists()
+
+    store = f"sqlite:///{tmp_path / 'synced.db'}"
+    code, out = finish(cli(tmp_path, "sync", f"autotuning.results_dir={results}", f"tracking.tracking_uri={store}", script=None))
+    assert code == 0, out
+    c = MlflowClient(store)
+    exp = c.get_experiment_by_name("mlautotune")
+    found = c.search_runs([exp.experiment_id])
+    (parent,) = [r for r in found if r.data.tags.get("mlautotune.role") == "session"]
+    children = [r for r in found if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert [r.data.tags["experiment"] for r in children] == ["z0_gas1_tmbspg2"]
+    assert children[0].data.metrics["throughput"] > 0
+    assert parent.data.metrics["best_throughput"] == pytest.approx(children[0].data.metrics["throughput"])
+
+
+def test_multirun_gives_one_parent_per_job(tmp_path):
+    config = write_config(tmp_path / "ds.json", [2], 0, tuner_num_trials=1)
+    code, out = finish(cli(tmp_path, "-m", f"config={config}", "autotuning.tuner_type=gridsearch,random"))
+    assert code == 0, out
+    parents = runs(tmp_path, "session")
+    assert sorted(p.data.params["cfg.autotuning.tuner_type"] for p in parents) == ["gridsearch", "random"]
+    assert len({p.info.experiment_id for p in parents}) == 1
+
+
+def test_mlflow_run_in_run_mode_trains_with_the_optimum(tmp_path):
+    config = write_config(tmp_path / "ds.json", [2], 0, tuner_num_trials=1)
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    argv = [
+        sys.executable, "-m", "mlflow", "run", str(ROOT), "--env-manager", "local",
+        "-P", f"config={config}", "-P", f"script={HEAVY}", "-P", f"script_args={' '.join(TINY_MODEL)} --steps 8",
+        "-P", "num_gpus=2", "-P", "mode=run", "-P", f"results_dir={tmp_path / 'res'}", "-P", "overrides=search.remeasure=0",
+    ]
+    proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (parent,) = runs(tmp_path, "session")
+    (final,) = runs(tmp_path, "final_training")
+    assert final.data.tags["mlflow.parentRunId"] == parent.info.run_id
+    assert final.data.tags["status"] == "ok" and final.data.metrics["throughput"] > 0
+    used = json.loads((tmp_path / "res" / "final_training" / "ds_config.json").read_text())
+    assert "autotuning" not in used and "mlautotune" not in used
+    assert used["train_micro_batch_size_per_gpu"] == 2
+
+
+def wait_for(condition, proc, timeout=300):
+    deadline = time.time() + timeout
+    while not condition():
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.5)
