@@ -19,8 +19,7 @@ from pathlib import Path
 
 from mlautotune.experiment import Experiment, Resources, run_experiment
 from mlautotune.files import read_json
-
-WORKLOAD = Path(__file__).resolve().parents[1] / "src" / "mlautotune" / "workloads" / "gpt.py"
+from mlautotune.workloads import GPT_SCRIPT as WORKLOAD
 
 # (label, from event, to event) on the slowest rank's timeline; "launch" is when the runner started the launcher.
 PHASES = [

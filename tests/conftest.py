@@ -1,13 +1,11 @@
 """Shared fixtures: a tiny CPU experiment through the real DeepSpeed launcher, and a leftover-process check."""
 
-from pathlib import Path
-
 import psutil
 import pytest
 
 from mlautotune.experiment import Experiment, Resources
+from mlautotune.workloads import GPT_SCRIPT
 
-WORKLOAD = Path(__file__).resolve().parents[1] / "src" / "mlautotune" / "workloads" / "gpt.py"
 TINY_MODEL = ["--num_layers", "1", "--hidden_size", "32", "--num_heads", "2", "--seq_len", "32", "--vocab_size", "256"]
 MAPPINGS = {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size", "gradient_accumulation_steps": "--gradient_accumulation_steps"}
 
@@ -16,7 +14,7 @@ MAPPINGS = {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size", "
 def tiny_experiment():
     """A factory: a 2-rank CPU experiment of the bundled workload with a tiny model (override any field)."""
 
-    def make(name="z0_gas1_tmbspg2", stage=0, mbs=2, gas=1, script=WORKLOAD, script_args=None, **fields):
+    def make(name="z0_gas1_tmbspg2", stage=0, mbs=2, gas=1, script=GPT_SCRIPT, script_args=None, **fields):
         ds_config = {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": gas, "steps_per_print": 1000,
                      "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": stage}}
         fields.setdefault("timeout_s", 180.0)

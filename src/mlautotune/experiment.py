@@ -84,15 +84,17 @@ def world_size(resources: Resources) -> int:
     r = resources
     hostfile = r.hostfile or DEFAULT_HOSTFILE
     if r.hostfile and not os.path.isfile(hostfile):
-        raise UserError(f"The hostfile {hostfile} does not exist.", "Fix launcher.hostfile, or drop it to run on this machine only.")
+        raise UserError(f"The hostfile {hostfile} does not exist.",
+                        "Fix launcher.hostfile, or drop it to run on this machine only.")
     if (r.num_nodes is not None or r.num_gpus is not None) and (r.include or r.exclude):
-        raise UserError("launcher.num_nodes/num_gpus cannot be combined with launcher.include/exclude (the DeepSpeed launcher refuses it).",
-                        "Use either num_nodes/num_gpus or include/exclude.")
+        raise UserError("launcher.num_nodes/num_gpus cannot be combined with launcher.include/exclude "
+                        "(the DeepSpeed launcher refuses it).", "Use either num_nodes/num_gpus or include/exclude.")
     try:
         pool = fetch_hostfile(hostfile) if os.path.isfile(hostfile) else None
         if not pool:
             if (r.num_nodes or 1) > 1:
-                raise UserError(f"launcher.num_nodes={r.num_nodes} needs a hostfile listing the nodes.", "Set launcher.hostfile.")
+                raise UserError(f"launcher.num_nodes={r.num_nodes} needs a hostfile listing the nodes.",
+                                "Set launcher.hostfile.")
             from deepspeed.accelerator import get_accelerator
 
             pool = {"localhost": get_accelerator().device_count()}
@@ -260,7 +262,8 @@ def classify(returncode: Optional[int], timed_out: bool, exp_dir: Path, timeout_
     if returncode == 0:
         reasons = [r["reason"] for r in ranks if r.get("reason")]
         return "incomplete", reasons[0] if reasons else "the script ended before the measurement window", {}
-    return "failed", f"exit code {returncode}:\n{_tail(exp_dir / 'stderr.log')}", {}
+    headline = next((f"rank {r.get('rank')}: {r['error']}\n" for r in ranks if r.get("error")), "")
+    return "failed", f"{headline}exit code {returncode}; last lines of stderr.log:\n{_tail(exp_dir / 'stderr.log')}", {}
 
 
 def run_experiment(exp: Experiment, results_dir: Path) -> Result:

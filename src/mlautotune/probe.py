@@ -26,6 +26,7 @@ OOM_EXIT_CODE = 87  # a rank whose peak memory passed the limit, or that hit a r
 SETTINGS_FILE = "probe.json"
 METRICS_FILE = "metrics.json"
 WATCH_INTERVAL_S = 0.05
+RANK_VARIABLES = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")  # by launcher
 
 
 def rank_file(rank) -> str:
@@ -56,7 +57,7 @@ class Probe:
     def __init__(self, exp_dir: str, settings: dict):
         self.exp_dir = exp_dir
         self.settings = settings
-        self.rank = int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", 0)))
+        self.rank = next((int(os.environ[v]) for v in RANK_VARIABLES if v in os.environ), os.getpid())
         self.start = max(2, int(settings["start_profile_step"]))  # step 1 has no previous boundary
         self.end = max(self.start, int(settings["end_profile_step"]))
         self.limit = settings.get("memory_limit_bytes")
@@ -146,6 +147,7 @@ class Probe:
         b = self.boundaries
         mine = {"step_times": [b[n - 1] - b[n - 2] for n in range(self.start, self.end + 1)],
                 "peak": self.peak, "fwd_flops": self.fwd_flops or 0}
+        self.rank = dist.get_rank()
         ranks = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, mine)
         if self.rank == 0:
@@ -255,7 +257,7 @@ def main(argv) -> None:
     except BaseException as e:
         if is_accelerator_oom(e):
             probe.exit_oom(f"accelerator out of memory: {e}")
-        probe.write_rank_record("failed", error=repr(e)[-500:])
+        probe.write_rank_record("failed", error=f"{type(e).__name__}: {e}"[:500])
         raise
     probe.write_rank_record("ended", reason=probe.ended_early())
 

@@ -86,10 +86,9 @@ def parse_args():
 
 def load_ds_config(args):
     """The ds_config as a dict, with "auto" batch values filled from the flags (as the HF Trainer does)."""
-    path = args.deepspeed_config or (args.deepspeed if isinstance(args.deepspeed, str) else None)
-    if path is None:
+    if args.deepspeed_config is None:
         raise SystemExit("gpt.py needs --deepspeed_config <ds_config.json>")
-    with open(path) as f:
+    with open(args.deepspeed_config) as f:
         config = json.load(f)
     if config.get("train_micro_batch_size_per_gpu") == "auto":
         config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
