@@ -186,7 +186,9 @@ def experiment_name(stage: int, gas: int, mbs: int, knobs: Dict[str, Any]) -> st
 def experiment_config(plan: TuningPlan, stage: int, mbs: int, knobs: Dict[str, Any]) -> Dict[str, Any]:
     cfg = copy.deepcopy(plan.base_config)
     zero = dict(cfg.get("zero_optimization") or {})
-    zero.update({"stage": stage, **fixed_knobs(plan, stage) if stage in plan.knobs else {}, **{k: _as_int(v) for k, v in knobs.items()}})
+    zero["stage"] = stage
+    zero.update(fixed_knobs(plan, stage) if stage in plan.knobs else {})
+    zero.update({k: _as_int(v) for k, v in knobs.items()})
     cfg["zero_optimization"] = zero
     cfg["train_micro_batch_size_per_gpu"] = int(mbs)
     cfg["gradient_accumulation_steps"] = int(plan.gas)
