@@ -106,12 +106,19 @@ def test_failed_and_oom_are_never_scored_as_zero(tmp_path):
 
 
 def test_stage_stop_rule_and_ranking_across_stages():
-    land = Landscape(per_sample=20 * 2**20)  # memory is not the limit: higher stages only cost speed
-    t, _ = tuner(make_plan(), land, tuner_type="gridsearch")
+    # Fixed candidates: higher stages cannot fit more, they only cost speed.
+    t, _ = tuner(make_plan(mbs=MicroBatchRule("list", (2, 4))), Landscape(), tuner_type="gridsearch")
     out = t.tune()
-    stages = {m.params["stage"] for m in out.measured}
-    assert stages == {0, 1}  # z1 is no better than z0, so z2 and z3 are not explored
+    assert {m.params["stage"] for m in out.measured} == {0, 1}  # z1 is no better than z0: z2, z3 not explored
     assert out.best.params["stage"] == 0
+
+
+def test_a_higher_stage_that_fits_a_larger_micro_batch_is_explored():
+    # Memory-bound: z1 is slower per sample at equal batch, but fits a larger micro-batch than z0.
+    out = tuner(make_plan(stages=[0, 1, 2]), Landscape(), tuner_type="gridsearch")[0].tune()
+    assert {0, 1} <= {m.params["stage"] for m in out.measured}
+    top = {s: max(m.params["micro_batch"] for m in out.measured if m.ok and m.params["stage"] == s) for s in (0, 1)}
+    assert top[1] > top[0]
 
 
 def test_num_trials_budget_is_a_hard_stop():

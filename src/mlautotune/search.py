@@ -95,6 +95,12 @@ def result_from_trial(t: optuna.trial.FrozenTrial) -> Result:
     return Result.from_dict(t.user_attrs["result"])
 
 
+def trial_params(t: optuna.trial.FrozenTrial) -> Dict[str, Any]:
+    """A trial's configuration. Optuna params are stage-qualified (`z1/micro_batch`), because one
+    name may not change its choices within a study; the plain params are in user_attrs."""
+    return dict(t.user_attrs.get("params") or {k.split("/")[-1]: v for k, v in t.params.items()})
+
+
 class Tuner:
     def __init__(
         self,
@@ -120,9 +126,6 @@ class Tuner:
     # ---- history and resume -------------------------------------------------------------
     def _load_history(self) -> None:
         """Reuse every finished experiment of this study; re-queue those that were interrupted."""
-        for t in self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
-            self.study.ask()  # a queued trial that a dead tuner never started: drop it
-            self._mark_interrupted(t.number)
         self.interrupted: List[int] = []
         for t in self.study.get_trials(deepcopy=False):
             if t.state == TrialState.RUNNING:  # its tuner died (SIGKILL, node failure)
@@ -132,18 +135,18 @@ class Tuner:
                     self._reuse(t)
                 continue
             self.interrupted.append(t.number)
-            if "repeat_of" not in t.user_attrs and t.params:
-                self._requeue.append(dict(t.params))
+            if "repeat_of" not in t.user_attrs and trial_params(t):
+                self._requeue.append(trial_params(t))
         self._requeue = [p for p in self._requeue if params_key(p) not in self._measured]
 
     def _reuse(self, t: optuna.trial.FrozenTrial) -> None:
-        m = Measured(dict(t.params), result_from_trial(t), t.number, t.value if t.state == TrialState.COMPLETE else None)
+        m = Measured(trial_params(t), result_from_trial(t), t.number, t.value if t.state == TrialState.COMPLETE else None)
         if "repeat_of" in t.user_attrs:
-            base = self._measured.get(params_key(t.params))
+            base = self._measured.get(params_key(m.params))
             if base is not None and m.value is not None:
                 base.repeats.append(m.value)
             return
-        self._measured[params_key(t.params)] = m
+        self._measured[params_key(m.params)] = m
         self._order.append(m)
 
     def _mark_interrupted(self, number: int) -> None:
@@ -176,6 +179,7 @@ class Tuner:
             raise Budget()
         if trial is None:
             trial = self._ask_fixed(params)
+        trial.set_user_attr("params", dict(params))
         exp = self.make_experiment(params)
         if repeat_of is not None:
             exp.name = f"{exp.name}_rep{len(repeat_of.repeats) + 1}"
@@ -213,12 +217,9 @@ class Tuner:
         return m
 
     def _ask_fixed(self, params: Dict[str, Any]) -> optuna.Trial:
-        sampler, self.study.sampler = self.study.sampler, self._fixed_sampler
-        try:
-            self.study.enqueue_trial(params, skip_if_exists=False)
-            return self.study.ask({k: CategoricalDistribution([v]) for k, v in params.items()})
-        finally:
-            self.study.sampler = sampler
+        """A trial for a configuration the strategy chose itself (no sampler involved)."""
+        self.study.sampler = self._fixed_sampler  # also the one whose after_trial sees the tell
+        return self.study.ask()
 
     def _tell_duplicate(self, trial: optuna.Trial, earlier: Measured) -> None:
         trial.set_user_attr("duplicate_of", earlier.trial_number)
@@ -376,8 +377,9 @@ class Tuner:
 
     def _explore(self, stage: int, space: Dict[str, List[Any]]) -> None:
         """The sampler's trials over the stage's space, with the stop rules."""
-        sampler = build_sampler(self.s.tuner_type, space, self.s.seed, self.s.sampler_target)
-        dists = {k: CategoricalDistribution(v) for k, v in space.items()}
+        qualified = {f"z{stage}/{k}": v for k, v in space.items()}
+        sampler = build_sampler(self.s.tuner_type, qualified, self.s.seed, self.s.sampler_target)
+        dists = {k: CategoricalDistribution(v) for k, v in qualified.items()}
         total = math.prod(len(v) for v in space.values())
         duplicates = 0
         for params in [p for p in self._requeue if p.get("stage") == stage]:
@@ -394,19 +396,23 @@ class Tuner:
                 break
             self.study.sampler = sampler
             trial = self.study.ask(dists)
-            params = {k: trial.params[k] for k in space}
+            params = {k: trial.params[f"z{stage}/{k}"] for k in space}
             if params_key(params) in self._measured:
                 self._tell_duplicate(trial, self._measured[params_key(params)])
+                self.study.sampler = self._fixed_sampler
                 duplicates += 1
                 if duplicates > MAX_DUPLICATE_PROPOSALS:
                     break
                 continue
             if self.memory is not None and not self.memory.fits(stage, params["micro_batch"]):
                 trial.set_user_attr("status", "skipped_predicted_oom")
+                trial.set_user_attr("params", params)
                 self.study.tell(trial, state=TrialState.PRUNED)
+                self.study.sampler = self._fixed_sampler
                 self._measured[params_key(params)] = Measured(params, Result("", "oom", reason="predicted OOM, not run"), trial.number, None)
                 continue
             self.measure(params, trial)
+            self.study.sampler = self._fixed_sampler
 
     def _since_stage_improvement(self, stage: int) -> int:
         best, since = None, 0

@@ -1,0 +1,81 @@
+"""The XGBoost cost model: feature encoding for spaces of different shapes, a regressor for the
+metric and a classifier for feasibility (ok vs OOM)."""
+
+import math
+from typing import Any, Dict, List, Sequence
+
+import numpy as np
+
+LOG_THRESHOLD = 1000  # numeric knobs at or above this are sizes: encoded on a log2 scale
+
+
+def encode(params_list: Sequence[Dict[str, Any]], keys: Sequence[str]) -> np.ndarray:
+    """One row per params: stage one-hot, micro_batch/gas and sizes as log2, booleans 0/1,
+    strings one-hot (by key=value), a knob missing from a stage's space as NaN."""
+    strings = sorted({f"{k}={p[k]}" for p in params_list for k in keys if isinstance(p.get(k), str)})
+    rows = []
+    for p in params_list:
+        row = [1.0 if p.get("stage") == s else 0.0 for s in range(4)]
+        for k in keys:
+            if k == "stage":
+                continue
+            v = p.get(k)
+            if v is None or isinstance(v, str):
+                row.append(math.nan)
+            elif isinstance(v, bool):
+                row.append(float(v))
+            elif k in ("micro_batch", "gas") or abs(v) >= LOG_THRESHOLD:
+                row.append(math.log2(max(float(v), 1e-9)))
+            else:
+                row.append(float(v))
+        row += [1.0 if f"{k}={p.get(k)}" == s else 0.0 for s in strings for k in [s.split("=")[0]]]
+        rows.append(row)
+    return np.array(rows, dtype=float)
+
+
+def all_keys(params_lists: Sequence[Sequence[Dict[str, Any]]]) -> List[str]:
+    return sorted({k for ps in params_lists for p in ps for k in p})
+
+
+class CostModel:
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+        self.keys: List[str] = []
+        self._reg = None
+        self._mean = 0.0
+        self._clf = None
+        self._feasible_default = 1.0
+
+    def fit(self, params_list: List[Dict[str, Any]], values: List[float]) -> "CostModel":
+        self._train = list(params_list)
+        self.keys = all_keys([params_list])
+        self._mean = float(np.mean(values)) if len(values) else 0.0
+        self._reg = None
+        if len(values) >= 3:
+            import xgboost as xgb
+
+            self._reg = xgb.XGBRegressor(n_estimators=60, max_depth=3, learning_rate=0.3, nthread=1, random_state=self.seed, verbosity=0)
+            self._reg.fit(encode(params_list, self.keys), np.asarray(values, dtype=float))
+        return self
+
+    def predict(self, params_list: List[Dict[str, Any]]) -> np.ndarray:
+        if self._reg is None:
+            return np.full(len(params_list), self._mean)
+        return self._reg.predict(encode(params_list, self.keys)).astype(float)
+
+    def fit_feasibility(self, params_list: List[Dict[str, Any]], ok: List[bool]) -> "CostModel":
+        self._clf_keys = all_keys([params_list])
+        self._clf = None
+        if len(set(ok)) < 2:
+            self._feasible_default = 1.0 if (not ok or ok[0]) else 0.0
+            return self
+        import xgboost as xgb
+
+        self._clf = xgb.XGBClassifier(n_estimators=30, max_depth=2, nthread=1, random_state=self.seed, verbosity=0)
+        self._clf.fit(encode(params_list, self._clf_keys), np.asarray(ok, dtype=int))
+        return self
+
+    def p_feasible(self, params_list: List[Dict[str, Any]]) -> np.ndarray:
+        if self._clf is None:
+            return np.full(len(params_list), self._feasible_default)
+        return self._clf.predict_proba(encode(params_list, self._clf_keys))[:, 1]
