@@ -2,6 +2,7 @@
 
 import os
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
@@ -12,7 +13,7 @@ from mlautotune.errors import UserError
 COMMANDS = ("tune", "plan", "experiment", "sync")
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=str(Path(__file__).parent / "conf"), config_name="config")
 def app(cfg: DictConfig) -> None:
     try:
         if cfg.command == "plan":

@@ -1,7 +1,6 @@
 """Console progress: a line when an experiment starts and when it ends, with the best so far."""
 
 import sys
-import time
 from typing import Any, Optional
 
 UNITS = {"throughput": "samples/s", "latency": "ms", "FLOPS": "FLOPS"}
@@ -11,7 +10,6 @@ class Console:
     def __init__(self, metric: str, budget: int, stream=sys.stdout):
         self.metric, self.budget, self.stream = metric, budget, stream
         self.count = 0
-        self._started = 0.0
 
     def say(self, text: str) -> None:
         print(text, file=self.stream, flush=True)
@@ -26,16 +24,19 @@ class Console:
     def profiled(self, memory: Any, points: list) -> None:
         self.say(f"  model info: {memory.num_params:,} parameters; memory model: {memory.describe()}")
 
+    def _counter(self, exp: Any) -> str:
+        return "[ re-run]" if "_rep" in exp.name else f"[{self.count:>3}/{self.budget}]"
+
     def experiment_started(self, exp: Any, trial: Any) -> None:
-        self.count += 1
-        self._started = time.monotonic()
-        self.say(f"[{self.count:>3}/{self.budget}] {exp.name} running ...")
+        if "_rep" not in exp.name:
+            self.count += 1
+        self.say(f"{self._counter(exp)} {exp.name} running ...")
 
     def experiment_finished(self, exp: Any, measured: Any, best: Optional[Any]) -> None:
         r = measured.result
         value = f"{measured.value:,.4g} {UNITS[self.metric]}" if measured.value is not None else _short(r.reason)
         best_text = f"{best.result.name} {best.final_value:,.4g}" if best is not None else "none yet"
-        self.say(f"[{self.count:>3}/{self.budget}] {exp.name} {r.status:<10} {value}  ({r.wall_time_s:.1f} s)  best: {best_text}")
+        self.say(f"{self._counter(exp)} {exp.name} {r.status:<10} {value}  ({r.wall_time_s:.1f} s)  best: {best_text}")
 
 
 def _short(reason: str) -> str:

@@ -25,6 +25,7 @@ from mlautotune.space import TuningPlan, tuned_knobs
 
 METRIC_KEYS = {"throughput": "throughput", "latency": "latency", "FLOPS": "FLOPS_per_gpu"}
 MAX_DUPLICATE_PROPOSALS = 50
+MAX_TIE_TOLERANCE = 0.10  # leaders further apart than this are not near-ties, whatever the spread
 
 
 @dataclass
@@ -333,7 +334,8 @@ class Tuner:
         top = self._largest_runnable(stage, rule.values[0], cap)
         if top is None:
             return []
-        return spaced(rule.values[0], top, self.s.num_tuning_micro_batch_sizes)
+        # Throughput rarely falls with the micro-batch: candidates sit in the upper half of what runs.
+        return spaced(max(rule.values[0], top // 2), top, self.s.num_tuning_micro_batch_sizes)
 
     def _largest_runnable(self, stage: int, low: int, cap: Optional[int]) -> Optional[int]:
         """Predict the largest micro-batch that fits, run it, recalibrate; bisect only where the model is wrong."""
@@ -483,7 +485,8 @@ class Tuner:
         if not ok:
             return []
         best = ok[0]
-        ties = [m for m in ok[1:3] if abs(m.value - best.value) / abs(best.value) <= max(best.spread, m.spread)]
+        tolerance = min(max(best.spread, 0.0), MAX_TIE_TOLERANCE)
+        ties = [m for m in ok[1:3] if abs(m.value - best.value) / abs(best.value) <= max(tolerance, min(m.spread, MAX_TIE_TOLERANCE))]
         return [best, *ties] if ties else [best]
 
     # ---- results -----------------------------------------------------------------------------

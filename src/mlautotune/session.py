@@ -53,7 +53,8 @@ class Session:
         return self.cfg.autotuning
 
     def search_settings(self) -> SearchSettings:
-        sampler = OmegaConf.to_container(self.cfg.search.sampler, resolve=True) if self.cfg.search.sampler else None
+        node = self.cfg.search.sampler or self.cfg.tuners[self.at.tuner_type]  # conf/tuner/<tuner_type>.yaml
+        sampler = OmegaConf.to_container(node, resolve=True)
         return SearchSettings(
             metric=self.at.metric,
             tuner_type=self.at.tuner_type,
