@@ -80,7 +80,8 @@ def tuner(plan, runner, storage=None, study_name="s", **settings):
 
 
 def test_spaced_candidates():
-    assert spaced(1, 13, 3) == [13, 7, 1]
+    assert spaced(1, 13, 3) == [13, 4, 1]
+    assert spaced(1, 64, 4) == [64, 16, 4, 1]
     assert spaced(4, 4, 3) == [4]
     assert spaced(2, 3, 3) == [3, 2]
 

@@ -41,6 +41,9 @@ def main() -> None:
     # A tracking server that is down must cost seconds, not the minutes of MLflow's default retries.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
     if len(sys.argv) > 1 and sys.argv[1] in COMMANDS:
         sys.argv = [sys.argv[0], f"command={sys.argv[1]}", *sys.argv[2:]]
     app()

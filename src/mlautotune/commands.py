@@ -142,7 +142,7 @@ def final_training(session: Session, study, tracker: Tracker, outcome: Outcome, 
     exp = session.make_experiment(outcome.best.params)
     exp.name = "final_training"
     exp.ds_config = {k: v for k, v in exp.ds_config.items() if k not in ("autotuning", PROVENANCE_KEY)}
-    exp.full_run = True
+    exp.stop_after_window = False
     exp.timeout_s = max(exp.timeout_s, 24 * 3600)
     console.say(f"mlautotune: final training with {outcome.best.result.name}'s configuration ...")
     params, _, _ = child_payload(exp.params, {"status": "running", "name": exp.name, "metrics": {}}, exp.ds_config)

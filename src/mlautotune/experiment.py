@@ -50,6 +50,7 @@ class Experiment:
     end_profile_step: int = 5
     memory_limit_bytes: Optional[int] = None
     timeout_s: float = 900.0
+    stop_after_window: bool = True  # False: measure the window, then let the script train to its end (mode=run)
 
 
 @dataclass
@@ -290,7 +291,7 @@ def run_experiment(exp: Experiment, results_dir: Path) -> Result:
             "end_profile_step": exp.end_profile_step, "memory_limit_bytes": exp.memory_limit_bytes, "timeout_s": exp.timeout_s})
         atomic_write_json(exp_dir / probe.SETTINGS_FILE, {
             "start_profile_step": exp.start_profile_step, "end_profile_step": exp.end_profile_step,
-            "memory_limit_bytes": exp.memory_limit_bytes, "tuner_pid": os.getpid(), "tuner_pgid": os.getpgrp(),
+            "memory_limit_bytes": exp.memory_limit_bytes, "stop_after_window": exp.stop_after_window, "tuner_pid": os.getpid(), "tuner_pgid": os.getpgrp(),
             "tuner_create_time": _create_time(), "tuner_host": socket.gethostname(), "launch_time": time.time()})
         with open(exp_dir / "stdout.log", "w") as out, open(exp_dir / "stderr.log", "w") as err:
             proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)

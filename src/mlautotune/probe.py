@@ -134,7 +134,7 @@ class Probe:
         self.check_memory()
         if len(self.boundaries) == self.start - 1:
             self.mark("window_start")
-        if len(self.boundaries) >= self.end:
+        if len(self.boundaries) == self.end:
             self.mark("window_end")
             self.finish(engine)
 
@@ -155,6 +155,8 @@ class Probe:
             atomic_write_json(os.path.join(self.exp_dir, METRICS_FILE), self.metrics(engine, steps, ranks))
         self.mark("combined")
         self.write_rank_record("measured")
+        if not self.settings.get("stop_after_window", True):
+            return  # the final training: keep training to the script's own end
         dist.barrier()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -7,6 +7,7 @@ params are never run twice in a session (except deliberate re-measurements of ne
 is also what makes a resumed session skip what it already measured.
 """
 
+import hashlib
 import json
 import math
 import statistics
@@ -97,8 +98,8 @@ def result_from_trial(t: optuna.trial.FrozenTrial) -> Result:
 
 
 def trial_params(t: optuna.trial.FrozenTrial) -> Dict[str, Any]:
-    """A trial's configuration. Optuna params are stage-qualified (`z1/micro_batch`), because one
-    name may not change its choices within a study; the plain params are in user_attrs."""
+    """A trial's configuration: Optuna's param names are qualified (see space_prefix); the plain
+    params are in user_attrs."""
     return dict(t.user_attrs.get("params") or {k.split("/")[-1]: v for k, v in t.params.items()})
 
 
@@ -334,8 +335,7 @@ class Tuner:
         top = self._largest_runnable(stage, rule.values[0], cap)
         if top is None:
             return []
-        # Throughput rarely falls with the micro-batch: candidates sit in the upper half of what runs.
-        return spaced(max(rule.values[0], top // 2), top, self.s.num_tuning_micro_batch_sizes)
+        return spaced(rule.values[0], top, self.s.num_tuning_micro_batch_sizes)
 
     def _largest_runnable(self, stage: int, low: int, cap: Optional[int]) -> Optional[int]:
         """Predict the largest micro-batch that fits, run it, recalibrate; bisect only where the model is wrong."""
@@ -379,7 +379,8 @@ class Tuner:
 
     def _explore(self, stage: int, space: Dict[str, List[Any]]) -> None:
         """The sampler's trials over the stage's space, with the stop rules."""
-        qualified = {f"z{stage}/{k}": v for k, v in space.items()}
+        prefix = space_prefix(stage, space)
+        qualified = {f"{prefix}/{k}": v for k, v in space.items()}
         sampler = build_sampler(self.s.tuner_type, qualified, self.s.seed, self.s.sampler_target)
         dists = {k: CategoricalDistribution(v) for k, v in qualified.items()}
         total = math.prod(len(v) for v in space.values())
@@ -398,7 +399,7 @@ class Tuner:
                 break
             self.study.sampler = sampler
             trial = self.study.ask(dists)
-            params = {k: trial.params[f"z{stage}/{k}"] for k in space}
+            params = {k: trial.params[f"{prefix}/{k}"] for k in space}
             if params_key(params) in self._measured:
                 self._tell_duplicate(trial, self._measured[params_key(params)])
                 self.study.sampler = self._fixed_sampler
@@ -512,12 +513,23 @@ class Tuner:
         return Outcome(self.best(), stage_best, list(self._order), self.launched, list(self.notes))
 
 
+def space_prefix(stage: int, space: Dict[str, List[Any]]) -> str:
+    """Optuna param names are `z1-3fa2c1/micro_batch`: a name may not change its choices within a
+    study, and a stage's candidates can differ between sessions that share it (a resume that
+    measured a different largest micro-batch)."""
+    digest = hashlib.sha1(json.dumps(space, sort_keys=True, default=str).encode()).hexdigest()[:6]
+    return f"z{stage}-{digest}"
+
+
 def spaced(low: int, high: int, n: int) -> List[int]:
-    """n micro-batch sizes from low to high inclusive, evenly spaced, largest first."""
+    """n micro-batch sizes from low to high inclusive, spaced evenly on a log scale, largest first.
+
+    Log spacing because throughput against micro-batch bends early: on a CPU or a small model the
+    best is often a small batch, which even spacing from the largest would step over."""
     if n <= 1 or high <= low:
         return [high]
-    step = (high - low) / (n - 1)
-    return sorted({round(low + i * step) for i in range(n)}, reverse=True)
+    ratio = high / low
+    return sorted({round(low * ratio ** (i / (n - 1))) for i in range(n)}, reverse=True)
 
 
 def product(space: Dict[str, List[Any]]) -> List[Dict[str, Any]]:

@@ -110,7 +110,8 @@ class Session:
     def write_record(self, **fields: Any) -> None:
         path = self.results_dir / SESSION_FILE
         record = read_json(path) if path.exists() else {}
-        record.update(session=self.name, storage=self.storage, metric=self.at.metric, **fields)
+        record.update(fields)
+        record.update(session=self.name, storage=self.storage, metric=self.at.metric)
         record.setdefault("tracking", {"uri": self.cfg.tracking.tracking_uri, "experiment_name": self.cfg.tracking.experiment_name})
         atomic_write_json(path, record)
 
