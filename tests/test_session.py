@@ -182,7 +182,9 @@ def test_multirun_gives_one_parent_per_job(tmp_path):
 
 def test_mlflow_run_in_run_mode_trains_with_the_optimum(tmp_path):
     config = write_config(tmp_path / "ds.json", [2], 0, tuner_num_trials=1)
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    # --env-manager local runs the MLproject's `python` from PATH: this environment's.
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", "PATH": path}
     argv = [
         sys.executable, "-m", "mlflow", "run", str(ROOT), "--env-manager", "local",
         "-P", f"config={config}", "-P", f"script={HEAVY}", "-P", f"script_args={' '.join(TINY_MODEL)} --steps 8",

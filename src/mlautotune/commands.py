@@ -149,10 +149,10 @@ def final_training(session: Session, study, tracker: Tracker, outcome: Outcome, 
     number = -1  # not an Optuna trial
     tracker.child_started(number, exp.name, params, {"status": "running", "experiment": exp.name, "mlautotune.role": "final_training"})
     result = session.run(exp)
-    _, metrics, tags = child_payload(exp.params, result.to_dict(), {})
+    final_params, metrics, tags = child_payload(exp.params, result.to_dict(), {})
     if outcome.best.value is not None:
         metrics[f"tuning_estimate_{session.at.metric}"] = outcome.best.final_value
-    tracker.child_finished(number, metrics, tags, result.exp_dir, mlflow_status(result.status))
+    tracker.child_finished(number, metrics, tags, result.exp_dir, mlflow_status(result.status), final_params)
     console.say(f"mlautotune: final training {result.status}: throughput {result.metrics.get('throughput', 0):,.4g} samples/s (tuning estimate {outcome.best.result.metrics.get('throughput', 0):,.4g})")
     if result.status != "ok":
         raise SessionFailed(f"the final training ended as {result.status}: {result.reason.strip()[-500:]}")

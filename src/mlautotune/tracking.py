@@ -133,14 +133,15 @@ class Tracker:
             self._children[trial_number] = run.info.run_id
             self._guard(f"logging the params of {name}", self._log_batch, run.info.run_id, params=params, tags=tags)
 
-    def child_finished(self, trial_number: int, metrics: Dict[str, float], tags: Dict[str, str], exp_dir: Optional[str], status: str) -> None:
+    def child_finished(self, trial_number: int, metrics: Dict[str, float], tags: Dict[str, str], exp_dir: Optional[str], status: str, params: Optional[Dict[str, Any]] = None) -> None:
         run_id = self._children.get(trial_number)
         if run_id is None:
             return
-        self._guard(f"finishing run {run_id}", self._finish_child, run_id, metrics, tags, exp_dir, status)
+        self._guard(f"finishing run {run_id}", self._finish_child, run_id, metrics, tags, exp_dir, status, params or {})
 
-    def _finish_child(self, run_id, metrics, tags, exp_dir, status) -> None:
-        self._log_batch(run_id, metrics=metrics, tags=tags)
+    def _finish_child(self, run_id, metrics, tags, exp_dir, status, params) -> None:
+        logged = self.client.get_run(run_id).data.params
+        self._log_batch(run_id, params={k: v for k, v in params.items() if k not in logged}, metrics=metrics, tags=tags)
         if exp_dir and Path(exp_dir).is_dir():
             self.client.log_artifacts(run_id, exp_dir, artifact_path="experiment")
         self.client.set_terminated(run_id, status=status)
@@ -202,6 +203,6 @@ class TrackingObserver:
 
     def experiment_finished(self, exp, measured, best) -> None:
         result = measured.result.to_dict()
-        _, metrics, tags = child_payload(exp.params, result, {})
+        params, metrics, tags = child_payload(exp.params, result, {})
         number = self._running.pop(exp.name, measured.trial_number)
-        self.tracker.child_finished(number, metrics, tags, measured.result.exp_dir, mlflow_status(measured.result.status))
+        self.tracker.child_finished(number, metrics, tags, measured.result.exp_dir, mlflow_status(measured.result.status), params)
