@@ -44,6 +44,7 @@ class CostModel:
         self._reg = None
         self._mean = 0.0
         self._clf = None
+        self._ooms: List[Dict[str, Any]] = []
         self._feasible_default = 1.0
 
     def fit(self, params_list: List[Dict[str, Any]], values: List[float]) -> "CostModel":
@@ -65,17 +66,27 @@ class CostModel:
 
     def fit_feasibility(self, params_list: List[Dict[str, Any]], ok: List[bool]) -> "CostModel":
         self._clf_keys = all_keys([params_list])
+        self._ooms = [p for p, good in zip(params_list, ok) if not good]
         self._clf = None
         if len(set(ok)) < 2:
             self._feasible_default = 1.0 if (not ok or ok[0]) else 0.0
             return self
         import xgboost as xgb
 
-        self._clf = xgb.XGBClassifier(n_estimators=30, max_depth=2, nthread=1, random_state=self.seed, verbosity=0)
+        # min_child_weight low: a session has a handful of labelled runs, and the split that matters
+        # (the micro-batch where memory runs out) may rest on one OOM.
+        self._clf = xgb.XGBClassifier(n_estimators=30, max_depth=2, min_child_weight=0.05, nthread=1, random_state=self.seed, verbosity=0)
         self._clf.fit(encode(params_list, self._clf_keys), np.asarray(ok, dtype=int))
         return self
 
     def p_feasible(self, params_list: List[Dict[str, Any]]) -> np.ndarray:
+        """P(not OOM). Memory only grows with the micro-batch, so a candidate at or above a measured
+        OOM of the same stage is infeasible whatever the classifier says."""
         if self._clf is None:
-            return np.full(len(params_list), self._feasible_default)
-        return self._clf.predict_proba(encode(params_list, self._clf_keys))[:, 1]
+            p = np.full(len(params_list), self._feasible_default)
+        else:
+            p = self._clf.predict_proba(encode(params_list, self._clf_keys))[:, 1]
+        for i, c in enumerate(params_list):
+            if any(c.get("stage") == o.get("stage") and c.get("micro_batch", 0) >= o.get("micro_batch", 1 << 30) for o in self._ooms):
+                p[i] = 0.0
+        return p

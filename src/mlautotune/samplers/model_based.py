@@ -51,7 +51,7 @@ class ModelBasedSampler(BaseSampler):
         done = [t for t in finished if t.state == TrialState.COMPLETE]
         if len(done) < self.n_startup:
             self.last_choice = "startup"
-            return untried[[0, len(untried) - 1, len(untried) // 2][len(done) % 3]]
+            return untried[[0, len(untried) - 1, len(untried) // 2][len(finished) % 3]]
         if self.explore_every and self._proposals % self.explore_every == 0:
             self.last_choice = "explore"
             return self._farthest(untried, [_params(t) for t in finished])

@@ -1,0 +1,79 @@
+"""The memory model: the ZeRO formula, the fitted activation line, calibration and OOM bounds."""
+
+import pytest
+
+from mlautotune.memory import MemoryModel, optimizer_bytes
+
+GiB = 2**30
+ADAM = {"optimizer": {"type": "AdamW"}}
+
+
+def model(ds=None, world=8, mp=1, limit=16 * GiB, device="cuda", n=1_000_000_000):
+    return MemoryModel(n, n, {**ADAM, **(ds or {})}, world, mp, limit, device)
+
+
+def test_bf16_is_not_costed_as_fp32():
+    fp32 = model().model_states(0)
+    bf16 = model({"bf16": {"enabled": True}}).model_states(0)
+    assert fp32 == pytest.approx(1e9 * (4 + 4 + 8))
+    assert bf16 == pytest.approx(1e9 * (2 + 2 + 4 + 8))
+
+
+def test_zero_partitions_over_the_data_parallel_degree():
+    m = model({"bf16": {"enabled": True}}, world=8, mp=2)  # dp = 4, params per rank halved by mp
+    p = 1e9 / 2
+    assert m.model_states(1) == pytest.approx(p * (2 + 2 + (4 + 8) / 4))
+    assert m.model_states(2) == pytest.approx(p * (2 + (2 + 4 + 8) / 4))
+    assert m.model_states(3) == pytest.approx(p * (2 + 2 + 4 + 8) / 4)
+
+
+def test_offload_is_respected_on_accelerators_not_on_cpu():
+    ds = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "nvme"}}}
+    assert model(ds).model_states(3) == pytest.approx(4e9 / 8)  # only the partitioned fp32 gradients stay
+    assert model(ds, device="cpu").model_states(3) == model(device="cpu").model_states(3)
+
+
+def test_optimizer_state_bytes():
+    assert optimizer_bytes({"type": "Adam"}) == 8
+    assert optimizer_bytes({"type": "SGD", "params": {"momentum": 0.9}}) == 4
+    assert optimizer_bytes({"type": "SGD"}) == 0
+    assert optimizer_bytes({"type": "Adagrad"}) == 4
+
+
+def test_two_points_fit_the_activation_line_and_predict_the_largest_micro_batch():
+    m = model(world=2, n=10_000_000)
+    states = m.model_states(0)
+    m.observe(0, 1, int(states + 1 * GiB + 100 * 2**20), oom=False)
+    m.observe(0, 4, int(states + 1 * GiB + 400 * 2**20), oom=False)
+    assert m.per_sample == pytest.approx(100 * 2**20)
+    assert m.fixed == pytest.approx(1 * GiB, rel=1e-6)
+    assert m.max_micro_batch(0) == int((16 * GiB - 1 * GiB - states) / (100 * 2**20))
+    assert m.max_micro_batch(0, cap=8) == 8
+    assert m.fits(3, m.max_micro_batch(0))  # stage 3 keeps less per rank
+
+
+def test_calibration_moves_predictions_towards_measurements_and_logs_errors():
+    m = model(world=2, n=10_000_000)
+    m.observe(0, 1, 2 * GiB, oom=False)
+    m.observe(0, 2, int(2.1 * GiB), oom=False)
+    before = m.predict(0, 8)
+    m.observe(0, 8, 4 * GiB, oom=False)  # activations grow faster than the first two points said
+    assert m.predict(0, 8) > before
+    assert m.errors()[-1]["measured"] == 4 * GiB and m.errors()[-1]["rel_error"] < 0
+
+
+def test_an_oom_bounds_the_stage_and_the_stages_that_keep_more():
+    m = model(world=2, n=10_000_000, limit=64 * GiB)
+    m.observe(1, 1, 2 * GiB, oom=False)
+    m.observe(1, 2, int(2.1 * GiB), oom=False)
+    assert m.max_micro_batch(1) > 100
+    m.observe(1, 50, 70 * GiB, oom=True)
+    assert m.max_micro_batch(1) == 49 and m.max_micro_batch(0) == 49
+    assert m.max_micro_batch(3) > 49  # stage 3 keeps less per rank: not bounded by it
+    assert not m.fits(1, 50) and m.feasible(1)
+
+
+def test_infeasible_stage():
+    m = model(world=1, n=3_000_000_000, limit=16 * GiB)  # 48 GB of fp32 Adam states on one GPU
+    m.observe(3, 1, int(m.model_states(3) + GiB), oom=False)
+    assert not m.feasible(0)
