@@ -10,7 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 

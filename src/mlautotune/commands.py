@@ -1,22 +1,21 @@
 """The commands: tune (and run), plan, experiment, sync. Glue from a session to search, tracking and reports."""
 
-import copy
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 from omegaconf import DictConfig, OmegaConf
 
 from mlautotune.console import Console
 from mlautotune.errors import UserError
-from mlautotune.files import atomic_write_json, atomic_write_text, read_json
+from mlautotune.files import atomic_write_text, read_json
 from mlautotune.report import PROVENANCE_KEY, optimal_command, write_reports
 from mlautotune.scriptargs import set_deepspeed_config, set_flag
-from mlautotune.search import Measured, Outcome, Tuner, deepspeed_zero_defaults
+from mlautotune.search import Outcome, Tuner, base_params
 from mlautotune.session import SESSION_FILE, Session, hardware_params, open_session
-from mlautotune.space import plan_text, tuned_knobs
+from mlautotune.space import plan_text
 from mlautotune.tracking import Tracker, TrackingObserver, child_payload, flatten, mlflow_status
 
 
@@ -168,12 +167,7 @@ def plan_command(cfg: DictConfig) -> None:
 def experiment_command(cfg: DictConfig) -> None:
     """Run one experiment of the ds_config (the plan's first configuration) and print the result."""
     session = open_session(cfg)
-    stage, mbs = session.plan.stages[0], session.plan.micro_batch.values[0]
-    params: Dict[str, Any] = {"stage": stage, "micro_batch": mbs, "gas": session.plan.gas}
-    defaults = deepspeed_zero_defaults(stage)
-    for knob, values in tuned_knobs(session.plan, stage).items():
-        params[knob] = defaults[knob] if defaults.get(knob) in values else values[0]
-    exp = session.make_experiment(params)
+    exp = session.make_experiment(base_params(session.plan, session.plan.stages[0], session.plan.micro_batch.values[0]))
     print(f"mlautotune: running {exp.name} ...", flush=True)
     result = session.run(exp)
     print(f"status: {result.status}")

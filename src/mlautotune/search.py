@@ -260,12 +260,7 @@ class Tuner:
         return self.outcome()
 
     def base_params(self, stage: int, mbs: int) -> Dict[str, Any]:
-        """Params of a micro-batch experiment: the stage's tuned knobs at DeepSpeed's defaults (or the first value)."""
-        params: Dict[str, Any] = {"stage": stage, "micro_batch": mbs, "gas": self.plan.gas}
-        defaults = deepspeed_zero_defaults(stage)
-        for knob, values in tuned_knobs(self.plan, stage).items():
-            params[knob] = defaults[knob] if defaults.get(knob) in values else values[0]
-        return params
+        return base_params(self.plan, stage, mbs)
 
     def _profile(self) -> None:
         """Model-info profiling: peak memory at two micro-batch sizes of the first stage -> the memory model.
@@ -541,6 +536,15 @@ def product(space: Dict[str, List[Any]]) -> List[Dict[str, Any]]:
 
 def in_space_of(params: Dict[str, Any], space: Dict[str, List[Any]]) -> bool:
     return set(params) == set(space) and all(params[k] in space[k] for k in space)
+
+
+def base_params(plan: TuningPlan, stage: int, mbs: int) -> Dict[str, Any]:
+    """Params of a micro-batch experiment: the stage's tuned knobs at DeepSpeed's defaults (or the first value)."""
+    params: Dict[str, Any] = {"stage": stage, "micro_batch": mbs, "gas": plan.gas}
+    defaults = deepspeed_zero_defaults(stage)
+    for knob, values in tuned_knobs(plan, stage).items():
+        params[knob] = defaults[knob] if defaults.get(knob) in values else values[0]
+    return params
 
 
 def deepspeed_zero_defaults(stage: int) -> Dict[str, Any]:

@@ -207,7 +207,7 @@ def plan_text(plan: TuningPlan) -> str:
     for s in plan.stages:
         tuned = tuned_knobs(plan, s)
         combos = knob_combos(plan, s)
-        lines.append(f"z{s}: {len(combos)} knob combination(s) per micro-batch" + (f"; tuned: " + ", ".join(f"{k} {v}" for k, v in tuned.items()) if tuned else ""))
+        lines.append(f"z{s}: {len(combos)} knob combination(s) per micro-batch" + ("; tuned: " + ", ".join(f"{k} {v}" for k, v in tuned.items()) if tuned else ""))
         names += [experiment_name(s, plan.gas, m, c) for m in plan.micro_batch.values for c in combos[:3]]
     lines.append("first experiments: " + ", ".join(names[:5]))
     return "\n".join(lines)

@@ -9,7 +9,7 @@ in whatever a session could not log while the tracking server was unreachable.
 import logging
 import os
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, Optional
 
 import mlflow
 from mlflow.entities import Metric, Param, RunTag
