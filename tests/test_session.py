@@ -51,8 +51,7 @@ def client(tmp_path) -> MlflowClient:
 
 def runs(tmp_path, role=None):
     c = client(tmp_path)
-    exp = c.get_experiment_by_name("mlautotune")
-    found = c.search_runs([exp.experiment_id], max_results=1000)
+    found = c.search_runs([e.experiment_id for e in c.search_experiments()], max_results=1000)
     return [r for r in found if role is None or r.data.tags.get("mlautotune.role") == role]
 
 
@@ -177,6 +176,7 @@ def test_multirun_gives_one_parent_per_job(tmp_path):
     parents = runs(tmp_path, "session")
     assert sorted(p.data.params["cfg.autotuning.tuner_type"] for p in parents) == ["gridsearch", "random"]
     assert len({p.info.experiment_id for p in parents}) == 1
+    assert client(tmp_path).get_experiment(parents[0].info.experiment_id).name == "mlautotune"
 
 
 def test_mlflow_run_in_run_mode_trains_with_the_optimum(tmp_path):
@@ -192,6 +192,7 @@ def test_mlflow_run_in_run_mode_trains_with_the_optimum(tmp_path):
     proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (parent,) = runs(tmp_path, "session")
+    assert parent.info.run_id in proc.stdout + proc.stderr  # the run `mlflow run` created is the parent
     (final,) = runs(tmp_path, "final_training")
     assert final.data.tags["mlflow.parentRunId"] == parent.info.run_id
     assert final.data.tags["status"] == "ok" and final.data.metrics["throughput"] > 0
