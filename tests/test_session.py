@@ -207,3 +207,15 @@ def wait_for(condition, proc, timeout=300):
         assert proc.poll() is None, proc.communicate()[0]
         assert time.time() < deadline, "timed out"
         time.sleep(0.5)
+
+
+def test_a_session_where_everything_fails_says_why_and_writes_no_optimum(tmp_path):
+    config = write_config(tmp_path / "ds.json", [2], 0, tuner_num_trials=2)
+    code, out = finish(cli(tmp_path, f"config={config}", script=Path(__file__).parent / "scripts" / "raise_error.py"))
+    assert code == 1, out
+    assert "no experiment succeeded" in out and "z0_gas1_tmbspg2: failed" in out
+    results = tmp_path / "autotuning_results"
+    assert not (results / "ds_config_optimal.json").exists() and not (results / "cmd_optimal.txt").exists()
+    assert (results / "summary.txt").read_text().startswith("NO RESULT")
+    (parent,) = runs(tmp_path, "session")
+    assert parent.info.status == "FAILED" and parent.data.tags["status"] == "failed"

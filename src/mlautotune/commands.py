@@ -161,6 +161,9 @@ def plan_command(cfg: DictConfig) -> None:
     session = open_session(cfg)
     for notice in session.plan.notices:
         print(f"mlautotune: {notice}")
+    print(f"session: {session.name}  ({session.world_size} ranks, results in {session.results_dir})")
+    print("autotuning settings (conf < ds_config < command line):")
+    print("  " + OmegaConf.to_yaml(session.at).strip().replace("\n", "\n  "))
     print(plan_text(session.plan))
 
 
