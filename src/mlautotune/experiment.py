@@ -175,6 +175,26 @@ def _end_group(proc: subprocess.Popen, graceful: bool) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
+    _wait_until_group_gone(proc.pid)
+
+
+def _wait_until_group_gone(pgid: int, timeout_s: float = 15.0) -> None:
+    """SIGKILL is asynchronous: return only once no live process of the group is left (ranks are
+    grandchildren, so waiting for the launcher alone is not enough)."""
+    import psutil
+
+    def alive() -> bool:
+        for p in psutil.process_iter(["status"]):
+            try:
+                if p.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(p.pid) == pgid:
+                    return True
+            except (ProcessLookupError, psutil.Error):
+                continue
+        return False
+
+    deadline = time.monotonic() + timeout_s
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _raise_on_sigterm(signum, frame):
