@@ -5,12 +5,15 @@ A landscape file is JSON: a header (name, description, source, world_size, memor
 metric, the plan: stages, micro_batch rule, gas, knobs per stage, fast) and `points`, each
 {"params": {...}, "status": ..., "metrics": {...}, "wall_time_s": ...}. Lookup is by exact params.
 Points that are not in the file (a micro-batch between two recorded ones) are answered by the
-landscape's own model when it has one (synthetic landscapes: synthetic.evaluate), else as an OOM.
+landscape's own model when it has one (synthetic landscapes: synthetic.evaluate). Recorded
+landscapes use `interpolation`: step time, peak memory and wall time linear in the micro-batch
+between the two recorded neighbours with the same stage and knobs (extrapolated from the last two
+beyond the largest that ran), OOM at or above a recorded OOM or where the peak passes the limit.
 """
 
 import json
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Callable, Dict, List, Tuple
 
 from mlautotune.experiment import Experiment, Resources, Result
 from mlautotune.space import MicroBatchRule, TuningPlan
@@ -70,3 +73,49 @@ class LandscapeRunner:
     def value(self, params: Dict[str, Any], metric_key: str = "throughput"):
         point = self.points.get(key(params))
         return point["metrics"].get(metric_key) if point and point["status"] == "ok" else None
+
+
+def interpolation(landscape: Dict[str, Any]) -> Callable[[Dict[str, Any]], Tuple[str, Dict[str, Any], float]]:
+    """params -> (status, metrics, wall_time_s) for a micro-batch between recorded ones (see the module doc)."""
+    limit = landscape["memory_limit_bytes"]
+    world = landscape["world_size"]
+    groups: Dict[str, List[Dict[str, Any]]] = {}
+    for p in landscape["points"]:
+        groups.setdefault(key({k: v for k, v in p["params"].items() if k != "micro_batch"}), []).append(p)
+
+    def answer(params: Dict[str, Any]):
+        mbs = params["micro_batch"]
+        group = groups.get(key({k: v for k, v in params.items() if k != "micro_batch"}), [])
+        ok = sorted((p for p in group if p["status"] == "ok"), key=lambda p: p["params"]["micro_batch"])
+        ooms = [p["params"]["micro_batch"] for p in group if p["status"] == "oom"]
+        startup = min((p["wall_time_s"] for p in group), default=landscape.get("startup_s", 60.0))
+        if not ok or (ooms and mbs >= min(ooms)):
+            return "oom", {}, startup
+        below = [p for p in ok if p["params"]["micro_batch"] < mbs]
+        above = [p for p in ok if p["params"]["micro_batch"] > mbs]
+        if below and above:
+            a, b = below[-1], above[0]
+        elif len(ok) >= 2:
+            a, b = (ok[0], ok[1]) if above else (ok[-2], ok[-1])  # extrapolate from the nearest two
+        else:
+            a = b = ok[0]
+        ma, mb = a["params"]["micro_batch"], b["params"]["micro_batch"]
+        t = (mbs - ma) / (mb - ma) if mb != ma else 0.0
+
+        def line(x, y):
+            return x + t * (y - x)
+
+        peak = line(a["metrics"]["peak_memory_bytes"], b["metrics"]["peak_memory_bytes"])
+        if peak > limit:
+            return "oom", {"peak_memory_bytes": peak}, startup
+        step_s = max(1e-6, line(a["metrics"]["latency"], b["metrics"]["latency"]) / 1000.0)
+        tbs = mbs * params["gas"] * world
+        flops_per_sample = a["metrics"].get("FLOPS_per_gpu", 0.0) * a["metrics"]["latency"] / 1000.0 / (ma * params["gas"])
+        metrics = {
+            **a["metrics"], "throughput": tbs / step_s, "latency": step_s * 1000.0, "step_time_median_ms": step_s * 1000.0,
+            "FLOPS_per_gpu": flops_per_sample * mbs * params["gas"] / step_s, "peak_memory_bytes": peak, "train_batch_size": tbs,
+            "step_time_spread": max(a["metrics"].get("step_time_spread", 0.0), b["metrics"].get("step_time_spread", 0.0)),
+        }
+        return "ok", metrics, line(a["wall_time_s"], b["wall_time_s"])
+
+    return answer

@@ -18,7 +18,7 @@ from pathlib import Path
 import optuna
 
 sys.path.insert(0, str(Path(__file__).parent))
-from landscape import LandscapeRunner, load, make_experiment, plan_of  # noqa: E402
+from landscape import LandscapeRunner, interpolation, load, make_experiment, plan_of  # noqa: E402
 from mlautotune.search import SearchSettings, Tuner  # noqa: E402
 
 HERE = Path(__file__).parent
@@ -27,7 +27,7 @@ STRATEGIES = ("model_based", "gridsearch", "random", "deepspeed_baseline")
 
 def model_for(land):
     if land["source"] != "synthetic":
-        return None
+        return interpolation(land)
     import synthetic
 
     return lambda params: synthetic.evaluate(synthetic.MODELS[land["name"]], params)

@@ -77,3 +77,32 @@ def test_infeasible_stage():
     m = model(world=1, n=3_000_000_000, limit=16 * GiB)  # 48 GB of fp32 Adam states on one GPU
     m.observe(3, 1, int(m.model_states(3) + GiB), oom=False)
     assert not m.feasible(0)
+
+
+def test_each_stage_gets_its_own_fixed_part_and_shares_the_per_sample_slope():
+    m = model(world=2, n=10_000_000)
+    for mbs in (1, 4):
+        m.observe(0, mbs, int(m.model_states(0) + 1 * GiB + mbs * 100 * 2**20), oom=False)
+    m.observe(2, 4, int(m.model_states(2) + 3 * GiB + 4 * 100 * 2**20), oom=False)  # bigger buffers in z2
+    assert m.per_sample == pytest.approx(100 * 2**20)
+    assert m.predict(0, 8) == pytest.approx(m.model_states(0) + 1 * GiB + 800 * 2**20)
+    assert m.predict(2, 8) == pytest.approx(m.model_states(2) + 3 * GiB + 800 * 2**20)
+
+
+def test_an_oom_in_a_stage_without_successful_runs_calibrates_its_prediction():
+    m = model(world=2, n=10_000_000, limit=16 * GiB)
+    for mbs in (1, 4):
+        m.observe(0, mbs, int(m.model_states(0) + 1 * GiB + mbs * 100 * 2**20), oom=False)
+    predicted = m.max_micro_batch(2)
+    # z2 needs 2 GiB more than z0 said: its first run, at the predicted edge, goes over by that much.
+    m.observe(2, predicted, int(m.predict(2, predicted) + 2 * GiB), oom=True)
+    again = m.max_micro_batch(2)
+    assert again <= predicted - 20  # 2 GiB / 100 MiB per sample: about 20 fewer, not one fewer
+    assert m.predict(2, again) <= 16 * GiB < m.predict(2, again + 21)
+
+
+def test_an_oom_without_a_peak_still_bounds_the_stage():
+    m = model(world=2, n=10_000_000, limit=16 * GiB)
+    m.observe(0, 1, int(m.model_states(0) + 1 * GiB), oom=False)
+    m.observe(0, 30, None, oom=True)  # a real accelerator OOM reports no peak
+    assert m.max_micro_batch(0) <= 29 and not m.fits(0, 30)

@@ -122,3 +122,33 @@ def test_model_based_minimises_when_the_direction_is_minimise():
     later = [landscape(p) for p in seen[4:]]
     best = max(v for p in itertools.product(*SPACE.values()) if (v := landscape(dict(zip(SPACE, p)))) is not None)
     assert max(v for v in later if v is not None) >= 0.9 * best  # low latency = high throughput
+
+
+def test_exploration_takes_the_farthest_of_the_promising_candidates():
+    history = [({"micro_batch": m, "reduce_bucket_size": 500000000, "overlap_comm": True}, landscape({"micro_batch": m, "reduce_bucket_size": 500000000, "overlap_comm": True})) for m in (2, 4, 8, 16)]
+    study, _ = run(ModelBasedSampler(SPACE, seed=0), 0, history=history)
+    sampler = ModelBasedSampler(SPACE, seed=0)
+    finished = study.get_trials(deepcopy=False)
+    tried = {tuple(sorted(p.items())) for p, _ in history}
+    untried = [c for c in sampler.candidates() if tuple(sorted(c.items())) not in tried]
+    scores = sampler.scores(untried, finished, maximize=True)
+    sampler._proposals = sampler.explore_every - 1  # the next proposal is an exploring one
+    study.sampler = sampler
+    trial = study.ask({k: CategoricalDistribution(v) for k, v in SPACE.items()})
+    assert sampler.last_choice == "explore"
+    chosen = untried.index(dict(trial.params))
+    assert scores[chosen] >= sorted(scores)[len(scores) // 2 - 1]  # among the better half, never micro-batch 1
+    assert trial.params["micro_batch"] != 1
+    assert (trial.params["reduce_bucket_size"], trial.params["overlap_comm"]) != (500000000, True)  # away from what was tried
+
+
+def test_an_oom_rules_out_larger_micro_batches_with_the_same_knobs_only():
+    from mlautotune.samplers.cost_model import CostModel
+
+    tried = [{"stage": 2, "micro_batch": m, "reduce_bucket_size": 1000000000} for m in (4, 8, 16)]
+    model = CostModel().fit_feasibility(tried, [True, True, False])
+    p = model.p_feasible([
+        {"stage": 2, "micro_batch": 32, "reduce_bucket_size": 1000000000},  # same knobs, larger: infeasible
+        {"stage": 2, "micro_batch": 16, "reduce_bucket_size": 50000000},  # smaller buckets may fit: the classifier decides
+    ])
+    assert p[0] == 0.0 and p[1] > 0.0

@@ -28,6 +28,9 @@ class Landscape:
         states = NUM_PARAMS * 16 / (1 if stage == 0 else 2 if stage == 1 else 2.5 if stage == 2 else 3)
         return 0.5 * GiB + states + self.per_sample * mbs
 
+    def peak_of(self, params):
+        return self.peak(params["stage"], params["micro_batch"])
+
     def throughput(self, params):
         stage, mbs = params["stage"], params["micro_batch"]
         t = 100 * mbs / (mbs + 4) * (1.0 - 0.07 * stage)
@@ -37,7 +40,7 @@ class Landscape:
     def __call__(self, exp: Experiment) -> Result:
         p = exp.params
         self.calls.append(dict(p))
-        peak = self.peak(p["stage"], p["micro_batch"])
+        peak = self.peak_of(p)
         if self.fail_at and (p["stage"], p["micro_batch"]) == self.fail_at:
             return Result(exp.name, "failed", {}, "RuntimeError: boom", 20.0, "", 1)
         if peak > LIMIT:
@@ -209,3 +212,36 @@ def test_resume_reuses_finished_experiments_and_requeues_the_interrupted_one(tmp
 
     fresh, _ = tuner(plan, Landscape(), tuner_type="gridsearch")
     assert out.best.params == fresh.tune().best.params  # same answer as an uninterrupted session
+
+
+class BufferHungryStage(Landscape):
+    """z1 keeps 1.5 GiB more per rank than the memory model learns from z0 (bigger buckets)."""
+
+    def peak(self, stage, mbs):
+        return super().peak(stage, mbs) + (1.5 * GiB if stage == 1 else 0)
+
+
+def test_an_edge_search_that_overshoots_does_not_walk_down_one_by_one():
+    land = BufferHungryStage(per_sample=50 * 2**20)
+    out = tuner(make_plan(stages=[0, 1]), land, tuner_type="gridsearch", num_tuning_micro_batch_sizes=1)[0].tune()
+    z1 = [m for m in out.measured if m.params["stage"] == 1]
+    top = max(m.params["micro_batch"] for m in z1 if m.ok)
+    assert land.peak(1, top) <= LIMIT < land.peak(1, top + 1)  # still the true edge
+    assert sum(m.result.status == "oom" for m in z1) <= 2  # the OOM's peak recalibrated z1 (it was ~30 too high)
+
+
+class KnobMemory(Landscape):
+    """A small reduce bucket saves 600 MiB per rank (and is 2% faster): the edge moves up with it."""
+
+    def peak_of(self, params):
+        return super().peak_of(params) - (600 * 2**20 if params.get("reduce_bucket_size") == 5e7 else 0)
+
+
+def test_the_leaders_knobs_get_their_own_micro_batch_edge():
+    knobs = {0: {"reduce_bucket_size": [5e8, 5e7]}}
+    land = KnobMemory()
+    out = tuner(make_plan(stages=[0], knobs=knobs, fast=False), land, tuner_type="gridsearch")[0].tune()
+    base_edge = max(m.params["micro_batch"] for m in out.measured if m.ok and m.params["reduce_bucket_size"] == 5e8)
+    assert out.best.params["reduce_bucket_size"] == 5e7
+    assert out.best.params["micro_batch"] > base_edge  # 600 MiB / 200 MiB per sample: 3 more
+    assert any("leave memory room" in n for n in out.notes)

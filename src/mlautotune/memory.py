@@ -3,10 +3,14 @@
 peak(stage, mbs) = fixed + model_states(stage) + per_sample * mbs
 
 model_states follows ZeRO: bytes per parameter by precision and optimizer, partitioned over the
-data-parallel degree (world_size // mp_size), with offloaded parts removed. `fixed` (runtime,
-buffers, framework) and `per_sample` (activations) are fitted by least squares to the peaks that
-experiments measure, and refitted as every result comes in. An OOM is a hard bound: no micro-batch
-at or above it is predicted to fit, in that stage or in any stage with more memory per rank.
+data-parallel degree (world_size // mp_size), with offloaded parts removed. `per_sample`
+(activations) is fitted by least squares to the peaks that experiments measure, and refitted as
+every result comes in. `fixed` (runtime, buffers, framework) is fitted per stage once the stage has
+measurements of its own (ZeRO's buckets and prefetch buffers differ by stage), else shared.
+An OOM is a hard bound: no micro-batch at or above it is predicted to fit, in that stage or in any
+stage with more memory per rank. In a stage with no successful run yet, an OOM also calibrates:
+its peak (at least the limit) is a lower bound on the stage's fixed part, so the next prediction
+lands below it by the right amount instead of one micro-batch lower.
 """
 
 from typing import Any, Dict, List, Optional
@@ -35,6 +39,7 @@ class MemoryModel:
         self.oom_at: Dict[int, int] = {}  # stage -> smallest micro-batch seen to OOM
         self.fixed: Optional[float] = None
         self.per_sample: Optional[float] = None
+        self.stage_fixed: Dict[int, float] = {}
         self._errors: List[Dict[str, Any]] = []
 
     def model_states(self, stage: int) -> float:
@@ -57,11 +62,16 @@ class MemoryModel:
         return params + grads + master + optim
 
     def predict(self, stage: int, mbs: int) -> float:
-        fixed = self.fixed or 0.0
+        fixed = self.stage_fixed.get(stage, self.fixed or 0.0)
         per_sample = self.per_sample if self.per_sample is not None else 0.0
         return fixed + self.model_states(stage) + per_sample * mbs
 
-    def observe(self, stage: int, mbs: int, peak_bytes: int, oom: bool) -> None:
+    def observe(self, stage: int, mbs: int, peak_bytes: Optional[int], oom: bool) -> None:
+        """One measured peak (an OOM's peak may be unknown: a real accelerator OOM reports none)."""
+        if oom:
+            peak_bytes = max(peak_bytes or 0, (self.limit or 0) + 1)
+        elif not peak_bytes:
+            return
         if self.fixed is not None and not oom:
             predicted = self.predict(stage, mbs)
             self._errors.append({"stage": stage, "mbs": mbs, "predicted": predicted, "measured": peak_bytes, "rel_error": (predicted - peak_bytes) / peak_bytes})
@@ -73,18 +83,26 @@ class MemoryModel:
         self._fit()
 
     def _fit(self) -> None:
-        ok = [(m, peak - self.model_states(s)) for s, m, peak, oom in self.points if not oom]
+        """per_sample: least squares within each stage (each stage has its own intercept); fixed:
+        per stage from its own runs, or, for a stage with only OOMs, the shared fixed raised to what
+        the OOMs imply (the shared fixed alone is for stages not measured yet)."""
+        ok = [(s, m, peak - self.model_states(s)) for s, m, peak, oom in self.points if not oom]
         if not ok:
             return
-        xs = np.array([m for m, _ in ok], dtype=float)
-        ys = np.array([y for _, y in ok], dtype=float)
-        if len(set(xs)) >= 2:
-            slope, intercept = np.polyfit(xs, ys, 1)
-            self.per_sample = max(float(slope), 1.0)
-            self.fixed = float(np.mean(ys - self.per_sample * xs))
-        else:
-            self.per_sample = PRIOR_PER_SAMPLE_FRACTION * max(float(ys.mean()), 1.0)
-            self.fixed = float(ys.mean() - self.per_sample * xs.mean())
+        num = den = 0.0
+        for stage in {s for s, _, _ in ok}:
+            xs = np.array([m for s, m, _ in ok if s == stage], dtype=float)
+            ys = np.array([y for s, _, y in ok if s == stage], dtype=float)
+            num += float(((xs - xs.mean()) * (ys - ys.mean())).sum())
+            den += float(((xs - xs.mean()) ** 2).sum())
+        ys_all = np.array([y for _, _, y in ok], dtype=float)
+        self.per_sample = max(num / den, 1.0) if den > 0 else PRIOR_PER_SAMPLE_FRACTION * max(float(ys_all.mean()), 1.0)
+        self.fixed = float(np.mean([y - self.per_sample * m for _, m, y in ok]))
+        self.stage_fixed = {}
+        for stage in {s for s, _, _, _ in self.points}:
+            own = [y - self.per_sample * m for s, m, y in ok if s == stage]
+            bounds = [peak - self.model_states(s) - self.per_sample * m for s, m, peak, oom in self.points if s == stage and oom]
+            self.stage_fixed[stage] = float(np.mean(own)) if own else max([self.fixed, *(b + 1 for b in bounds)])
 
     def fits(self, stage: int, mbs: int) -> bool:
         if stage in self.oom_at and mbs >= self.oom_at[stage]:
@@ -96,7 +114,7 @@ class MemoryModel:
         top = min(x for x in (cap, self.oom_at.get(stage, MAX_MICRO_BATCH + 1) - 1, MAX_MICRO_BATCH) if x is not None)
         if self.limit is None or self.fixed is None or not self.per_sample:
             return top
-        room = (self.limit - self.fixed - self.model_states(stage)) / self.per_sample
+        room = (self.limit - self.stage_fixed.get(stage, self.fixed) - self.model_states(stage)) / self.per_sample
         return max(0, min(top, int(room)))
 
     def feasible(self, stage: int) -> bool:

@@ -21,7 +21,7 @@ from optuna.trial import TrialState
 from mlautotune.experiment import Experiment, Result
 from mlautotune.memory import MemoryModel
 from mlautotune.samplers import build_sampler
-from mlautotune.samplers.cost_model import CostModel
+from mlautotune.samplers.cost_model import CostModel, same_but_micro_batch
 from mlautotune.space import TuningPlan, tuned_knobs
 
 METRIC_KEYS = {"throughput": "throughput", "latency": "latency", "FLOPS": "FLOPS_per_gpu"}
@@ -229,8 +229,8 @@ class Tuner:
 
     def _observe_memory(self, m: Measured) -> None:
         peak = m.result.metrics.get("peak_memory_bytes")
-        if self.memory is not None and peak and m.result.status in ("ok", "oom"):
-            self.memory.observe(m.params["stage"], m.params["micro_batch"], int(peak), m.result.status == "oom")
+        if self.memory is not None and m.result.status in ("ok", "oom"):
+            self.memory.observe(m.params["stage"], m.params["micro_batch"], int(peak) if peak else None, m.result.status == "oom")
 
     def _notify(self, event: str, *args: Any) -> None:
         for observer in self.observers:
@@ -251,6 +251,7 @@ class Tuner:
                 if self._stop_after(stage, best, previous):
                     break
                 previous = best if best is not None else previous
+            self._refit_edge()
         except Budget:
             self.note(f"stopped: tuner_num_trials={self.s.num_trials} experiments run")
         try:
@@ -306,6 +307,9 @@ class Tuner:
     def _stage_measured(self, stage: int) -> List[Measured]:
         return [m for m in self._order if m.params.get("stage") == stage]
 
+    def _stage_ooms(self, stage: int) -> List[int]:
+        return [m.params["micro_batch"] for m in self._stage_measured(stage) if m.result.status == "oom"]
+
     def _tune_stage(self, stage: int) -> Optional[Measured]:
         if self.memory is not None and not self.memory.fits(stage, self.plan.micro_batch.values[0]):
             self.note(f"z{stage}: skipped, the memory model predicts OOM at micro-batch {self.plan.micro_batch.values[0]}")
@@ -336,7 +340,7 @@ class Tuner:
         """Predict the largest micro-batch that fits, run it, recalibrate; bisect only where the model is wrong."""
         for _ in range(8):
             ok = [m.params["micro_batch"] for m in self._stage_measured(stage) if m.ok]
-            bad = [m.params["micro_batch"] for m in self._stage_measured(stage) if m.result.status == "oom"]
+            bad = self._stage_ooms(stage)
             lo = max(ok) if ok else None
             hi = min(bad) if bad else None
             if lo is not None and ((hi is not None and hi <= lo + 1) or (cap is not None and lo >= cap)):
@@ -364,13 +368,44 @@ class Tuner:
             guess = max(floor, predicted)
             if ceiling is not None and guess > ceiling:
                 guess = ceiling
-            if hi is not None and lo is not None and guess >= hi:
-                guess = (lo + hi) // 2
+            if hi is not None and len(self._stage_ooms(stage)) >= 2:
+                guess = min(guess, (floor + hi) // 2)  # the model was wrong twice here: bisect rather than walk down
             return guess
         if hi is None:  # no model: double until OOM, then bisect
             guess = low if lo is None else lo * 2
             return min(guess, ceiling) if ceiling is not None else guess
         return (lo + hi) // 2 if lo is not None else max(low, hi // 2)
+
+    def _refit_edge(self) -> None:
+        """The micro-batch edge was found with each stage's default knobs, but other knobs may use
+        less memory (smaller buckets, no contiguous-gradient buffer). For the leaders (the best 3
+        results) that sit at the largest micro-batch run with their knobs, predict the largest that
+        fits with those knobs from their own measured peak and the fitted per-sample slope, and
+        verify it: one experiment per knob combination, at most 3 in all."""
+        if self.memory is None or not self.memory.limit or not self.memory.per_sample or self.plan.micro_batch.mode != "min":
+            return
+        tried: List[Measured] = []
+        while len(tried) < 3:
+            ok = sorted((m for m in self._order if m.value is not None), key=lambda m: m.final_value, reverse=self.s.maximize)
+            guesses = [(m, g) for m in ok[:3] if not any(same_but_micro_batch(m.params, t.params) for t in tried) and (g := self._edge_with_knobs_of(m))]
+            if not guesses:
+                return
+            leader, guess = guesses[0]
+            self.note(f"{leader.result.name}: its knobs leave memory room; trying micro-batch {guess}")
+            tried.append(leader)
+            self.measure({**leader.params, "micro_batch": guess})
+
+    def _edge_with_knobs_of(self, m: Measured) -> Optional[int]:
+        """A larger micro-batch predicted to fit with m's knobs, if m is the largest run with them."""
+        same = [x for x in self._stage_measured(m.params["stage"]) if same_but_micro_batch(x.params, m.params)]
+        peak = m.result.metrics.get("peak_memory_bytes")
+        if not peak or m.params["micro_batch"] < max(x.params["micro_batch"] for x in same if x.ok):
+            return None  # no peak, or the metric does not grow with the micro-batch here
+        guess = m.params["micro_batch"] + int((self.memory.limit - peak) / self.memory.per_sample)
+        ooms = [x.params["micro_batch"] for x in same if x.result.status == "oom"]
+        for bound in (self.micro_batch_cap(), min(ooms) - 1 if ooms else None):
+            guess = min(guess, bound) if bound is not None else guess
+        return guess if guess > m.params["micro_batch"] else None
 
     def _explore(self, stage: int, space: Dict[str, List[Any]]) -> None:
         """The sampler's trials over the stage's space, with the stop rules."""
@@ -384,8 +419,8 @@ class Tuner:
             self._requeue.remove(params)
             self.measure(params)
         while True:
-            in_space = [m for m in self._stage_measured(stage) if in_space_of(m.params, space)]
-            if len(in_space) >= total:
+            decided = [m for m in self._measured.values() if in_space_of(m.params, space)]  # run, or skipped as a predicted OOM
+            if len(decided) >= total:
                 break
             if self._since_stage_improvement(stage) >= self.s.early_stopping:
                 self.note(f"z{stage}: early stop after {self.s.early_stopping} experiments without improvement")

@@ -81,12 +81,18 @@ class CostModel:
 
     def p_feasible(self, params_list: List[Dict[str, Any]]) -> np.ndarray:
         """P(not OOM). Memory only grows with the micro-batch, so a candidate at or above a measured
-        OOM of the same stage is infeasible whatever the classifier says."""
+        OOM with the same stage and knobs is infeasible whatever the classifier says. (Knobs change
+        memory too: bucket sizes and contiguous gradients do, so other knob values are left to the
+        classifier.)"""
         if self._clf is None:
             p = np.full(len(params_list), self._feasible_default)
         else:
             p = self._clf.predict_proba(encode(params_list, self._clf_keys))[:, 1]
         for i, c in enumerate(params_list):
-            if any(c.get("stage") == o.get("stage") and c.get("micro_batch", 0) >= o.get("micro_batch", 1 << 30) for o in self._ooms):
+            if any(same_but_micro_batch(c, o) and c.get("micro_batch", 0) >= o.get("micro_batch", 1 << 30) for o in self._ooms):
                 p[i] = 0.0
         return p
+
+
+def same_but_micro_batch(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
+    return {k: v for k, v in a.items() if k != "micro_batch"} == {k: v for k, v in b.items() if k != "micro_batch"}

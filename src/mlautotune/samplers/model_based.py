@@ -1,9 +1,11 @@
 """ModelBasedSampler: an Optuna sampler that ranks the untried candidates of a finite space with
 an XGBoost cost model fitted on every finished trial of the study.
 
-Exploration rule: every `explore_every`-th proposal (after the start-up ones) takes the untried
-candidate farthest, in the encoded feature space, from everything tried so far, instead of the
-greedy best. That keeps a mis-fitted model from circling one corner of the space.
+Exploration rule: every `explore_every`-th proposal (after the start-up ones) takes, among the
+promising untried candidates (expected score at or above the median), the one farthest in the
+encoded feature space from everything tried so far, instead of the greedy best. That keeps a
+mis-fitted model from circling one corner of the space without spending experiments on candidates
+it already knows are poor (the smallest micro-batch, say).
 """
 
 from typing import Any, Dict, List, Optional
@@ -52,11 +54,13 @@ class ModelBasedSampler(BaseSampler):
         if len(done) < self.n_startup:
             self.last_choice = "startup"
             return untried[[0, len(untried) - 1, len(untried) // 2][len(finished) % 3]]
+        scores = self.scores(untried, finished, maximize)
         if self.explore_every and self._proposals % self.explore_every == 0:
             self.last_choice = "explore"
-            return self._farthest(untried, [_params(t) for t in finished])
+            promising = [c for c, score in zip(untried, scores) if score >= np.median(scores)]
+            return self._farthest(promising, [_params(t) for t in finished])
         self.last_choice = "greedy"
-        return untried[int(np.argmax(self.scores(untried, finished, maximize)))]
+        return untried[int(np.argmax(scores))]
 
     def scores(self, untried: List[Dict[str, Any]], finished: List[FrozenTrial], maximize: bool) -> np.ndarray:
         """Expected value: the predicted metric (sign-flipped when minimising) weighted by P(feasible)."""

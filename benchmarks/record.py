@@ -1,0 +1,110 @@
+"""Record a landscape: run a tuning plan's whole grid on a real workload through the product's own
+session and runner (DeepSpeed launcher, probe, memory limit), one experiment at a time.
+
+    python benchmarks/record.py OUT.json --micro-batches 1,2,4,8,16,32 [--name NAME] -- HYDRA_OVERRIDES...
+
+    e.g. python benchmarks/record.py benchmarks/landscapes/cpu_gpt-0.9M_fast.json --micro-batches 1,2,4,8,16,24,32,48 \
+             -- config=benchmarks/configs/cpu_gpt-0.9M_fast.json launcher.num_gpus=2
+
+The overrides are the `mlautotune` command line's (config=, script=, script_args=, launcher.*,
+space.*). For each stage of the plan, each micro-batch of --micro-batches (ascending) and, in full
+mode, each combination of the stage's knobs (fast mode: DeepSpeed's defaults), one experiment runs.
+A stage stops at the first micro-batch where nothing fits: larger ones are OOMs by definition.
+Points are saved after every experiment, and a rerun skips the points already in OUT.json, so an
+interrupted recording resumes.
+"""
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+
+sys.path.insert(0, str(Path(__file__).parent))
+from landscape import key, load, save  # noqa: E402
+from mlautotune.config import register_configs  # noqa: E402
+from mlautotune.search import base_params, product  # noqa: E402
+from mlautotune.session import open_session  # noqa: E402
+from mlautotune.space import tuned_knobs  # noqa: E402
+
+CONF = Path(__file__).resolve().parent.parent / "src" / "mlautotune" / "conf"
+
+
+def grid(plan, stage: int, mbs: int):
+    base = base_params(plan, stage, mbs)
+    if plan.fast:
+        return [base]
+    return [{**base, **combo} for combo in product(tuned_knobs(plan, stage))]
+
+
+def header(session, name: str, argv) -> dict:
+    plan = session.plan
+    return {
+        "name": name,
+        "description": f"recorded from {session.script.name} {' '.join(session.script_args)} on the development machine "
+        f"({os.cpu_count()} cores, {session.world_size} {session.device} ranks), {'fast' if plan.fast else 'full'} mode",
+        "source": "recorded",
+        "command": "python benchmarks/record.py " + " ".join(argv),
+        "world_size": session.world_size,
+        "memory_limit_bytes": session.memory_limit_bytes,
+        "metric": session.at.metric,
+        "device": session.device,
+        "plan": {
+            "stages": plan.stages, "micro_batch": {"mode": plan.micro_batch.mode, "values": list(plan.micro_batch.values)},
+            "gas": plan.gas, "fast": plan.fast, "max_train_batch_size": plan.max_train_batch_size,
+            "knobs": {s: tuned_knobs(plan, s) for s in plan.stages}, "base_config": plan.base_config,
+        },
+        "points": [],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--micro-batches", required=True, help="ascending micro-batch sizes to record, comma-separated")
+    ap.add_argument("--name", help="landscape name (default: OUT's file name)")
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = ap.parse_args(argv[:split])
+    args.overrides = argv[split + 1:]
+    micro_batches = sorted({int(x) for x in args.micro_batches.split(",")})
+    register_configs()
+    scratch = Path("/tmp/mlautotune-record") / args.out.stem  # experiment folders; the landscape keeps the numbers
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
+        cfg = compose(config_name="config", overrides=[f"autotuning.results_dir={scratch}", f"autotuning.exps_dir={scratch}/exps", *args.overrides])
+    session = open_session(cfg)
+    land = load(args.out) if args.out.exists() else header(session, args.name or args.out.stem, sys.argv[1:])
+    done = {key(p["params"]): p for p in land["points"]}
+    todo = [(s, m) for s in session.plan.stages for m in micro_batches]
+    started = time.monotonic()
+    ran = 0
+    for stage in session.plan.stages:
+        for mbs in micro_batches:
+            fitted = False
+            for params in grid(session.plan, stage, mbs):
+                point = done.get(key(params))
+                if point is None:
+                    result = session.run(session.make_experiment(params))
+                    point = {"params": params, "status": result.status, "metrics": result.metrics, "wall_time_s": result.wall_time_s}
+                    if result.status != "ok":
+                        point["reason"] = result.reason.strip()[-300:]
+                    land["points"].append(point)
+                    done[key(params)] = point
+                    save(args.out, land)
+                    ran += 1
+                    print(
+                        f"[{time.monotonic() - started:6.0f}s] {result.name}: {result.status} "
+                        f"{result.metrics.get('throughput', 0):8.1f} samples/s  peak {result.metrics.get('peak_memory_bytes', 0) / 2**20:7.0f} MiB  "
+                        f"wall {result.wall_time_s:.1f} s",
+                        flush=True,
+                    )
+                fitted |= point["status"] == "ok"
+            if not fitted:
+                break
+    print(f"{args.out}: {len(land['points'])} points ({ran} run now, {len(todo)} stage x micro-batch cells at most)")
+
+
+if __name__ == "__main__":
+    main()
