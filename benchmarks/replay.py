@@ -83,20 +83,36 @@ def main():
     args = ap.parse_args()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     logging.getLogger("mlautotune").setLevel(logging.ERROR)
+    targets = []
     for path in args.landscapes:
         land = load(path)
         print(f"\n### {land['name']}\n")
         print("| strategy | experiments to 95% | experiments to 99% | final regret | experiments | wall time (h) |")
         print("|---|---:|---:|---:|---:|---:|")
+        per_strategy = {}
         for strategy in STRATEGIES:
             rows = []
             for seed in range(args.seeds):
                 calls, found, runner = replay(land, strategy, seed)
                 rows.append({"calls": calls, "found": found, "wall": runner.wall_time_s})
-            s = summarise(land, rows)
-            fmt = lambda v, f="{:.0f}": "never" if v is None else f.format(v)
+            s = per_strategy[strategy] = summarise(land, rows)
             print(f"| {strategy} | {fmt(median([x['to95'] for x in s]))} | {fmt(median([x['to99'] for x in s]))} | "
                   f"{median([x['regret'] for x in s]):.1%} | {median([x['experiments'] for x in s]):.0f} | {median([x['wall_h'] for x in s]):.2f} |")
+        mb, ds = per_strategy["model_based"], per_strategy["deepspeed_baseline"]
+        # "never" counts as one past the experiments the strategy ran (a lower bound on what it would need)
+        need = lambda s: median([x["to99"] if x["to99"] is not None else x["experiments"] + 1 for x in s])
+        targets.append((land["name"], median([x["to99"] for x in mb]), median([x["to99"] for x in ds]), need(mb) / need(ds), max(x["regret"] for x in mb)))
+    print("\n### Targets\n")
+    print("| landscape | model_based to 99% | baseline to 99% | ratio (never = experiments run + 1) | model_based worst final regret |")
+    print("|---|---:|---:|---:|---:|")
+    for name, a, b, ratio, worst in targets:
+        print(f"| {name} | {fmt(a)} | {fmt(b)} | {ratio:.2f} | {worst:.1%} |")
+    print(f"\nmedian ratio over landscapes: {statistics.median(t[3] for t in targets):.2f} (target: at most 0.5); "
+          f"worst model_based final regret: {max(t[4] for t in targets):.1%} (target: at most 3%)")
+
+
+def fmt(v, f="{:.0f}"):
+    return "never" if v is None else f.format(v)
 
 
 if __name__ == "__main__":

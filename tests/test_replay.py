@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import ds_baseline  # noqa: E402
 import replay  # noqa: E402
 import synthetic  # noqa: E402
-from landscape import LandscapeRunner, make_experiment  # noqa: E402
+from landscape import LandscapeRunner, interpolation, make_experiment  # noqa: E402
 
 NAME = "synthetic_bert-large_8xT4-16GB_fp32"
 
@@ -46,3 +46,25 @@ def test_the_deepspeed_baseline_runs_on_the_same_landscape(land):
     runner = LandscapeRunner(land, lambda p: synthetic.evaluate(synthetic.MODELS[NAME], p))
     calls, best = ds_baseline.run(runner, replay.plan_of(land), land["world_size"], land["memory_limit_bytes"])
     assert calls and best is not None and runner.value(best) > 0
+
+
+def recorded_point(mbs, status="ok", step_ms=None, peak=None, stage=1):
+    metrics = {} if status != "ok" else {"throughput": mbs * 2 / (step_ms / 1000), "latency": step_ms, "FLOPS_per_gpu": 1e9, "peak_memory_bytes": peak, "step_time_spread": 0.05}
+    return {"params": {"stage": stage, "micro_batch": mbs, "gas": 1}, "status": status, "metrics": metrics, "wall_time_s": 20.0 + mbs}
+
+
+def test_recorded_landscapes_interpolate_between_recorded_micro_batches():
+    MiB = 2**20
+    land = {"world_size": 2, "memory_limit_bytes": 1000 * MiB, "points": [
+        recorded_point(4, step_ms=100, peak=600 * MiB), recorded_point(8, step_ms=180, peak=700 * MiB),
+        recorded_point(16, step_ms=340, peak=900 * MiB), recorded_point(32, "oom"),
+    ]}
+    answer = interpolation(land)
+    status, metrics, wall = answer({"stage": 1, "micro_batch": 6, "gas": 1})
+    assert status == "ok" and metrics["latency"] == pytest.approx(140) and metrics["peak_memory_bytes"] == pytest.approx(650 * MiB)
+    assert metrics["throughput"] == pytest.approx(6 * 2 / 0.140) and wall == pytest.approx(26.0)
+    assert metrics["FLOPS_per_gpu"] == pytest.approx(1e9 * 0.1 / 4 * 6 / 0.14)  # the same FLOPs per sample
+    assert answer({"stage": 1, "micro_batch": 18, "gas": 1})[0] == "ok"  # extrapolated peak 950 MiB fits
+    assert answer({"stage": 1, "micro_batch": 21, "gas": 1})[0] == "oom"  # extrapolated peak 1025 MiB does not
+    assert answer({"stage": 1, "micro_batch": 40, "gas": 1})[0] == "oom"  # at or above a recorded OOM
+    assert answer({"stage": 2, "micro_batch": 6, "gas": 1})[0] == "oom"  # nothing recorded for these knobs

@@ -11,12 +11,12 @@ from omegaconf import DictConfig, OmegaConf
 from mlautotune.console import Console
 from mlautotune.errors import UserError
 from mlautotune.files import atomic_write_text, read_json
-from mlautotune.report import PROVENANCE_KEY, optimal_command, write_reports
+from mlautotune.report import PROVENANCE_KEY, optimal_command, report_artifacts, write_reports
 from mlautotune.scriptargs import set_deepspeed_config, set_flag
 from mlautotune.search import Outcome, Tuner, base_params
 from mlautotune.session import SESSION_FILE, Session, hardware_params, open_session
 from mlautotune.space import plan_text
-from mlautotune.tracking import Tracker, TrackingObserver, child_payload, flatten, mlflow_status
+from mlautotune.tracking import Tracker, TrackingObserver, child_payload, flatten, mlflow_status, parent_status
 
 
 class SessionFailed(Exception):
@@ -92,8 +92,7 @@ def finish(session: Session, study, tracker: Tracker, outcome: Outcome, status: 
         wall_time_s=wall, session=session.name, optimal_ds_config=ds_optimal, optimal_cmd=cmd, study=study,
     )
     session.write_record(**record)
-    files = [session.results_dir / n for n in ("summary.txt", "ds_config_optimal.json", "cmd_optimal.txt", "trials.csv", "session.json")]
-    return record["metrics"], record["tags"], [f for f in files if f.exists()] + [session.results_dir / "plots"], {"complete": "FINISHED", "partial": "KILLED", "failed": "FAILED"}[status]
+    return record["metrics"], record["tags"], report_artifacts(session.results_dir), parent_status(status)
 
 
 def optimal_cmd(session: Session, params: Dict[str, Any], ds_config: Dict[str, Any]) -> str:
@@ -212,7 +211,5 @@ def sync_command(cfg: DictConfig) -> None:
         tracker.child_started(t.number, result["name"], params, tags)
         tracker.child_finished(t.number, metrics, tags, result["exp_dir"], mlflow_status(result["status"]))
         added += 1
-    files = [results_dir / n for n in ("summary.txt", "ds_config_optimal.json", "cmd_optimal.txt", "trials.csv", "session.json")]
-    status = {"complete": "FINISHED", "partial": "KILLED", "failed": "FAILED"}.get(record.get("status"), "KILLED")
-    tracker.close_parent(record.get("metrics", {}), record.get("tags", {}), [f for f in files if f.exists()] + [results_dir / "plots"], status)
+    tracker.close_parent(record.get("metrics", {}), record.get("tags", {}), report_artifacts(results_dir), parent_status(record.get("status")))
     print(f"mlautotune: synced {added} experiment runs of session {record['session']} to {tracker.tracking_uri} (parent run {tracker.parent_id})")

@@ -56,6 +56,14 @@ def session_metrics(outcome: Outcome, metric: str, wall_time_s: float) -> Dict[s
     return out
 
 
+REPORT_FILES = ("summary.txt", "ds_config_optimal.json", "cmd_optimal.txt", "trials.csv", "session.json")
+
+
+def report_artifacts(results_dir: Path) -> List[Path]:
+    """The session outputs that exist, for the parent run's artifacts."""
+    return [results_dir / n for n in REPORT_FILES if (results_dir / n).exists()] + [results_dir / "plots"]
+
+
 def optimal_command(launcher_argv: List[str], script: str, script_args: List[str]) -> str:
     return shlex.join(["deepspeed", *launcher_argv, script, *script_args])
 

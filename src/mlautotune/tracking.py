@@ -185,6 +185,11 @@ def child_payload(params: Dict[str, Any], result: Dict[str, Any], ds_config: Dic
     return {k: v for k, v in p.items() if v is not None}, metrics, tags
 
 
+def parent_status(session_status: Optional[str]) -> str:
+    """A session's status (complete | partial | failed) as the parent run's MLflow status."""
+    return {"complete": "FINISHED", "partial": "KILLED", "failed": "FAILED"}.get(session_status or "", "KILLED")
+
+
 def mlflow_status(result_status: str) -> str:
     return "FINISHED" if result_status == "ok" else "KILLED" if result_status == "interrupted" else "FAILED"
 

@@ -1,0 +1,53 @@
+"""benchmarks/record.py: a landscape recorded from real 2-rank CPU DeepSpeed runs, then replayed."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY_MODEL
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import replay  # noqa: E402
+from landscape import load  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+
+def test_record_runs_the_grid_stops_a_stage_at_its_oom_and_resumes(tmp_path):
+    ds = {
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 1},
+        "autotuning": {"enabled": True, "fast": True, "memory_limit_per_rank": "700MiB", "start_profile_step": 2, "end_profile_step": 3,
+                       "arg_mappings": {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size", "gradient_accumulation_steps": "--gradient_accumulation_steps"}},
+    }
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps(ds))
+    out = tmp_path / "land.json"
+    # 4096 samples of 32 tokens need far more than 700 MiB per rank; 8192 is past that OOM, never run.
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "record.py"), str(out), "--micro-batches", "2,4,4096,8192", "--",
+           f"config={config}", "launcher.num_gpus=2", "script_args=" + " ".join(TINY_MODEL)]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-2000:]
+    land = load(out)
+    got = {p["params"]["micro_batch"]: p for p in land["points"]}
+    assert sorted(got) == [2, 4, 4096]
+    assert got[2]["status"] == got[4]["status"] == "ok" and got[2]["metrics"]["throughput"] > 0 and got[2]["wall_time_s"] > 0
+    assert got[4096]["status"] == "oom" and got[4096]["metrics"]["peak_memory_bytes"] > 700 * 2**20
+    assert land["source"] == "recorded" and land["world_size"] == 2 and land["plan"]["stages"] == [1]
+
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "(0 run now" in again.stdout
+    assert len(load(out)["points"]) == 3
+
+    # The product search replayed on it: micro-batches between the recorded ones are interpolated,
+    # and an interpolated point is ok exactly when its peak fits the limit.
+    calls, found, runner = replay.replay(land, "gridsearch", seed=0)
+    assert found > 0 and runner.calls == len(calls)
+    assert any(params["micro_batch"] not in got for params, _ in calls)
+    for params, result in calls:
+        if result.status == "ok":
+            assert result.metrics["peak_memory_bytes"] <= 700 * 2**20
