@@ -234,14 +234,33 @@ class KnobMemory(Landscape):
     """A small reduce bucket saves 600 MiB per rank (and is 2% faster): the edge moves up with it."""
 
     def peak_of(self, params):
-        return super().peak_of(params) - (600 * 2**20 if params.get("reduce_bucket_size") == 5e7 else 0)
+        return super().peak_of(params) - (600 * 2**20 if params.get("reduce_bucket_size") == 50000000 else 0)
 
 
 def test_the_leaders_knobs_get_their_own_micro_batch_edge():
-    knobs = {0: {"reduce_bucket_size": [5e8, 5e7]}}
+    knobs = {0: {"reduce_bucket_size": [500000000, 50000000]}}
     land = KnobMemory()
     out = tuner(make_plan(stages=[0], knobs=knobs, fast=False), land, tuner_type="gridsearch")[0].tune()
-    base_edge = max(m.params["micro_batch"] for m in out.measured if m.ok and m.params["reduce_bucket_size"] == 5e8)
-    assert out.best.params["reduce_bucket_size"] == 5e7
+    base_edge = max(m.params["micro_batch"] for m in out.measured if m.ok and m.params["reduce_bucket_size"] == 500000000)
+    assert out.best.params["reduce_bucket_size"] == 50000000
     assert out.best.params["micro_batch"] > base_edge  # 600 MiB / 200 MiB per sample: 3 more
     assert any("leave memory room" in n for n in out.notes)
+
+
+class PeaksInside(Landscape):
+    """CPU-like: throughput peaks at micro-batch 6, far below the memory edge (14)."""
+
+    def throughput(self, params):
+        import math
+
+        return 100 * math.exp(-math.log(params["micro_batch"] / 6) ** 2)
+
+
+def test_the_micro_batch_is_refined_between_far_apart_candidates():
+    land = PeaksInside()
+    out = tuner(make_plan(stages=[0]), land, tuner_type="gridsearch")[0].tune()
+    measured = {m.params["micro_batch"] for m in out.measured}
+    assert {1, 4, 14} <= measured  # the README's candidates: the edge and log-spaced ones below it
+    assert out.best.params["micro_batch"] in (5, 6, 7) and out.best.value >= 0.95 * 100
+    assert any("refining around the best micro-batch 4" in n for n in out.notes)
+    assert len(out.measured) <= 3 + 2 + 4 + 2  # profiling/edge, candidates, at most 4 refinements

@@ -322,6 +322,7 @@ class Tuner:
         space.update(tuned_knobs(self.plan, stage))
         self._notify("stage_started", stage, space)
         self._explore(stage, space)
+        self._refine_micro_batch(stage)
         return self._stage_best(stage)
 
     def _micro_batch_candidates(self, stage: int) -> List[int]:
@@ -343,8 +344,8 @@ class Tuner:
             bad = self._stage_ooms(stage)
             lo = max(ok) if ok else None
             hi = min(bad) if bad else None
-            if lo is not None and ((hi is not None and hi <= lo + 1) or (cap is not None and lo >= cap)):
-                return lo
+            if lo is not None and ((hi is not None and hi <= lo + max(1, lo // 20)) or (cap is not None and lo >= cap)):
+                return lo  # the edge to within 5%
             if hi is not None and hi <= low:
                 return None
             guess = self._next_guess(stage, low, lo, hi, cap)
@@ -368,6 +369,8 @@ class Tuner:
             guess = max(floor, predicted)
             if ceiling is not None and guess > ceiling:
                 guess = ceiling
+            if lo is not None and hi is not None:
+                guess = max(guess, (lo + hi) // 2)  # a model calibrated on lo creeps up one at a time: bisect
             if hi is not None and len(self._stage_ooms(stage)) >= 2:
                 guess = min(guess, (floor + hi) // 2)  # the model was wrong twice here: bisect rather than walk down
             return guess
@@ -395,11 +398,39 @@ class Tuner:
             tried.append(leader)
             self.measure({**leader.params, "micro_batch": guess})
 
+    def _same_knobs(self, m: Measured) -> List[Measured]:
+        """The runs of m's stage with m's knobs (any micro-batch), m included."""
+        return [x for x in self._stage_measured(m.params["stage"]) if same_but_micro_batch(x.params, m.params)]
+
+    def _refine_micro_batch(self, stage: int) -> None:
+        """The metric is not always best at the memory edge (CPU runs, communication-bound ones),
+        and the candidates are far apart: try the geometric midpoints between the stage's best
+        micro-batch and its measured neighbours with the same knobs (one side at the edge, both
+        inside), then again around a new best (at most 2 rounds, at most 4 experiments)."""
+        if self.plan.micro_batch.mode != "min":
+            return
+        for _ in range(2):
+            best = self._stage_best(stage)
+            if best is None:
+                return
+            b = best.params["micro_batch"]
+            sizes = sorted(x.params["micro_batch"] for x in self._same_knobs(best) if x.ok)
+            below, above = [x for x in sizes if x < b], [x for x in sizes if x > b]
+            mids = {round(math.sqrt(b * n)) for n in (below[-1:] + above[:1])} - set(sizes)
+            mids = sorted(x for x in mids if x != b and (self.memory is None or self.memory.fits(stage, x)))
+            if not mids:
+                return
+            self.note(f"z{stage}: refining around the best micro-batch {b}: trying {mids}")
+            for mbs in mids:
+                self.measure({**best.params, "micro_batch": mbs})
+            if self._stage_best(stage) is best:
+                return
+
     def _edge_with_knobs_of(self, m: Measured) -> Optional[int]:
         """A larger micro-batch predicted to fit with m's knobs, if m is the largest run with them."""
-        same = [x for x in self._stage_measured(m.params["stage"]) if same_but_micro_batch(x.params, m.params)]
+        same = self._same_knobs(m)
         peak = m.result.metrics.get("peak_memory_bytes")
-        if not peak or m.params["micro_batch"] < max(x.params["micro_batch"] for x in same if x.ok):
+        if not peak or m.params["micro_batch"] < max(x.params["micro_batch"] for x in same if x.ok) or self._pick(same) is not m:
             return None  # no peak, or the metric does not grow with the micro-batch here
         guess = m.params["micro_batch"] + int((self.memory.limit - peak) / self.memory.per_sample)
         ooms = [x.params["micro_batch"] for x in same if x.result.status == "oom"]
