@@ -108,7 +108,7 @@ def main():
         print(f"| {name} | {fmt(a)} | {fmt(b)} | {ratio} | {worst:.1%} |")
     ratios = [a / b for _, a, b, _ in targets if a is not None and b is not None]
     print(f"\nmodel_based reaches 99% on {sum(t[1] is not None for t in targets)} of {len(targets)} landscapes, the baseline on "
-          f"{sum(t[2] is not None for t in targets)}; median ratio where both do: {fmt(statistics.median(ratios) if ratios else None, '{:.2f}')} "
+          f"{sum(t[2] is not None for t in targets)}; median ratio where both do: {f'{statistics.median(ratios):.2f}' if ratios else 'n/a (no landscape where both do)'} "
           f"(target: at most 0.5); worst model_based final regret: {max(t[3] for t in targets):.1%} (target: at most 3%)")
 
 
