@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
 
 from mlautotune.experiment import Experiment, Resources, Result
+from mlautotune.samplers.cost_model import knobs_of
 from mlautotune.space import MicroBatchRule, TuningPlan
 
 
@@ -81,11 +82,11 @@ def interpolation(landscape: Dict[str, Any]) -> Callable[[Dict[str, Any]], Tuple
     world = landscape["world_size"]
     groups: Dict[str, List[Dict[str, Any]]] = {}
     for p in landscape["points"]:
-        groups.setdefault(key({k: v for k, v in p["params"].items() if k != "micro_batch"}), []).append(p)
+        groups.setdefault(key(knobs_of(p["params"])), []).append(p)
 
     def answer(params: Dict[str, Any]):
         mbs = params["micro_batch"]
-        group = groups.get(key({k: v for k, v in params.items() if k != "micro_batch"}), [])
+        group = groups.get(key(knobs_of(params)), [])
         ok = sorted((p for p in group if p["status"] == "ok"), key=lambda p: p["params"]["micro_batch"])
         ooms = [p["params"]["micro_batch"] for p in group if p["status"] == "oom"]
         startup = min((p["wall_time_s"] for p in group), default=landscape.get("startup_s", 60.0))

@@ -77,7 +77,6 @@ def main() -> None:
     session = open_session(cfg)
     land = load(args.out) if args.out.exists() else header(session, args.name or args.out.stem, sys.argv[1:])
     done = {key(p["params"]): p for p in land["points"]}
-    todo = [(s, m) for s in session.plan.stages for m in micro_batches]
     started = time.monotonic()
     ran = 0
     for stage in session.plan.stages:
@@ -103,7 +102,7 @@ def main() -> None:
                 fitted |= point["status"] == "ok"
             if not fitted:
                 break
-    print(f"{args.out}: {len(land['points'])} points ({ran} run now, {len(todo)} stage x micro-batch cells at most)")
+    print(f"{args.out}: {len(land['points'])} points ({ran} run now, {len(session.plan.stages) * len(micro_batches)} stage x micro-batch cells at most)")
 
 
 if __name__ == "__main__":

@@ -114,7 +114,7 @@ class MemoryModel:
         top = min(x for x in (cap, self.oom_at.get(stage, MAX_MICRO_BATCH + 1) - 1, MAX_MICRO_BATCH) if x is not None)
         if self.limit is None or self.fixed is None or not self.per_sample:
             return top
-        room = (self.limit - self.stage_fixed.get(stage, self.fixed) - self.model_states(stage)) / self.per_sample
+        room = (self.limit - self.predict(stage, 0)) / self.per_sample
         return max(0, min(top, int(room)))
 
     def feasible(self, stage: int) -> bool:

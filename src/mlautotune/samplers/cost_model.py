@@ -94,5 +94,10 @@ class CostModel:
         return p
 
 
+def knobs_of(params: Dict[str, Any]) -> Dict[str, Any]:
+    """The params without the micro-batch: the stage and its knobs (and gas)."""
+    return {k: v for k, v in params.items() if k != "micro_batch"}
+
+
 def same_but_micro_batch(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
-    return {k: v for k, v in a.items() if k != "micro_batch"} == {k: v for k, v in b.items() if k != "micro_batch"}
+    return knobs_of(a) == knobs_of(b)
