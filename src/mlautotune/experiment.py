@@ -51,6 +51,7 @@ class Experiment:
     memory_limit_bytes: Optional[int] = None
     timeout_s: float = 900.0
     stop_after_window: bool = True  # False: measure the window, then let the script train to its end (mode=run)
+    env: Dict[str, str] = field(default_factory=dict)  # added to the launcher's environment (threads, MLflow run id, ...)
 
 
 @dataclass
@@ -314,7 +315,8 @@ def run_experiment(exp: Experiment, results_dir: Path) -> Result:
             "memory_limit_bytes": exp.memory_limit_bytes, "stop_after_window": exp.stop_after_window, "tuner_pid": os.getpid(), "tuner_pgid": os.getpgrp(),
             "tuner_create_time": _create_time(), "tuner_host": socket.gethostname(), "launch_time": time.time()})
         with open(exp_dir / "stdout.log", "w") as out, open(exp_dir / "stderr.log", "w") as err:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True,
+                                    env={**os.environ, **exp.env})
             budget = max(0.0, exp.timeout_s - (time.time() - started))
             timed_out, measured = _wait(proc, exp_dir, budget, graceful=bool(exp.resources.hostfile))
     finally:
