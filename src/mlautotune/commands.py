@@ -78,7 +78,7 @@ def tune_command(cfg: DictConfig) -> None:
     console.say(f"mlautotune: command: {(session.results_dir / 'cmd_optimal.txt').read_text().strip()}")
     lr_advice(session, outcome, console)
     if session.cfg.mode == "run":
-        final_training(session, study, tracker, outcome, console)
+        closing[0].update(final_training(session, study, tracker, outcome, console))
     tracker.close_parent(*closing)
 
 
@@ -135,8 +135,9 @@ def lr_advice(session: Session, outcome: Outcome, console: Console) -> None:
         )
 
 
-def final_training(session: Session, study, tracker: Tracker, outcome: Outcome, console: Console) -> None:
-    """mode=run: train with the optimum (autotuning removed), measured as its own child run."""
+def final_training(session: Session, study, tracker: Tracker, outcome: Outcome, console: Console) -> Dict[str, float]:
+    """mode=run: train with the optimum (autotuning removed), measured as its own child run; returns the
+    parent run's metrics comparing it with the tuned figure."""
     exp = session.make_experiment(outcome.best.params)
     exp.name = "final_training"
     exp.ds_config = {k: v for k, v in exp.ds_config.items() if k not in ("autotuning", PROVENANCE_KEY)}
@@ -151,9 +152,31 @@ def final_training(session: Session, study, tracker: Tracker, outcome: Outcome, 
     if outcome.best.value is not None:
         metrics[f"tuning_estimate_{session.at.metric}"] = outcome.best.final_value
     tracker.child_finished(number, metrics, tags, result.exp_dir, mlflow_status(result.status), final_params)
-    console.say(f"mlautotune: final training {result.status}: throughput {result.metrics.get('throughput', 0):,.4g} samples/s (tuning estimate {outcome.best.result.metrics.get('throughput', 0):,.4g})")
     if result.status != "ok":
         raise SessionFailed(f"the final training ended as {result.status}: {result.reason.strip()[-500:]}")
+    return check_against_tuning(result.metrics, tuned_throughput(session, outcome), outcome.best.result.metrics, console)
+
+
+def tuned_throughput(session: Session, outcome: Outcome) -> float:
+    """The optimum's throughput as tuning measured it (the median of its re-measurements when the metric is throughput)."""
+    best = outcome.best
+    return best.final_value if session.at.metric == "throughput" else best.result.metrics.get("throughput", 0.0)
+
+
+def check_against_tuning(final: Dict[str, Any], tuned: float, tuned_metrics: Dict[str, Any], console: Console) -> Dict[str, float]:
+    """The final training's end-to-end throughput after warm-up over the tuned figure (parent metric
+    `final_over_tuned`), and a console line when they differ by more than the measurement interval."""
+    e2e = final.get("end_to_end_throughput") or final.get("throughput")
+    if not e2e or not tuned:
+        console.say("mlautotune: the final training's throughput was not measured; no check against the tuned figure.")
+        return {}
+    ratio = e2e / tuned
+    interval = max(tuned_metrics.get("interval_rel") or 0.0, final.get("interval_rel") or 0.0)
+    line = f"mlautotune: final training: {e2e:,.4g} samples/s end to end after warm-up, tuned {tuned:,.4g}: final / tuned = {ratio:.3f}"
+    if abs(ratio - 1.0) > interval:
+        line += f", a difference beyond the measurement interval (+-{100 * interval:.1f}%)"
+    console.say(line)
+    return {"final_over_tuned": ratio, "final_throughput": e2e}
 
 
 def plan_command(cfg: DictConfig) -> None:

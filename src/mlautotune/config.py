@@ -73,6 +73,19 @@ class SearchConf:
 
 
 @dataclass
+class MeasureConf:
+    """How each experiment's throughput is measured (the probe's adaptive window)."""
+
+    adaptive: bool = True  # false: exactly start_profile_step..end_profile_step, as before (for benchmarks)
+    target_interval: float = 0.02  # stop once the median step time is known to +-2% (95% confidence)
+    budget_s: float = 3.0  # ... or once this many seconds were measured, warm-up included
+    max_warmup_steps: int = 10  # leading steps skipped at most while the step time settles
+    warmup_tolerance: float = 0.10  # a leading step slower than 1.1x the median of the rest is warm-up
+    confidence: float = 0.95
+    check_every: int = 2  # optimizer steps between the ranks' collective stop checks
+
+
+@dataclass
 class MLAutotuneConf:
     command: str = "tune"  # tune | plan | experiment | sync (the first word on the command line)
     config: Optional[str] = None  # ds_config path; None -> the bundled example
@@ -83,6 +96,7 @@ class MLAutotuneConf:
     launcher: LauncherConf = field(default_factory=LauncherConf)
     tracking: TrackingConf = field(default_factory=TrackingConf)
     search: SearchConf = field(default_factory=SearchConf)
+    measure: MeasureConf = field(default_factory=MeasureConf)
     space: Dict[str, Any] = field(default_factory=dict)  # zero0..zero3: per-stage default spaces from conf/space
     tuners: Dict[str, Any] = field(default_factory=dict)  # model_based | gridsearch | random, from conf/tuner
 
@@ -183,6 +197,9 @@ def validate(cfg: DictConfig) -> None:
         raise UserError(f"mode={cfg.mode!r} is not a mode.", "Use mode=tune (find the optimum) or mode=run (then train with it).")
     if at.experiment_timeout <= 0:
         raise UserError(f"autotuning.experiment_timeout={at.experiment_timeout} must be positive.", "Give seconds, e.g. 900.")
+    m = cfg.measure
+    if m.target_interval <= 0 or m.budget_s < 0 or m.max_warmup_steps < 0 or m.check_every < 1 or not 0 < m.confidence < 1:
+        raise UserError(f"The measure settings are out of range: {dict(m)}.", "Use measure.target_interval > 0, budget_s >= 0, max_warmup_steps >= 0, check_every >= 1 and 0 < confidence < 1 (defaults 0.02, 3, 10, 2, 0.95).")
 
 
 UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,

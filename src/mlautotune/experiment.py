@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from mlautotune import probe
+from mlautotune.config import MeasureConf
 from mlautotune.errors import UserError
 from mlautotune.files import atomic_write_json, atomic_write_text, read_json
 from mlautotune.scriptargs import set_deepspeed_config, set_flag
@@ -52,6 +53,7 @@ class Experiment:
     timeout_s: float = 900.0
     stop_after_window: bool = True  # False: measure the window, then let the script train to its end (mode=run)
     env: Dict[str, str] = field(default_factory=dict)  # added to the launcher's environment (threads, MLflow run id, ...)
+    measure: Dict[str, Any] = field(default_factory=lambda: asdict(MeasureConf()))  # the probe's window settings (conf measure.*)
 
 
 @dataclass
@@ -309,10 +311,12 @@ def run_experiment(exp: Experiment, results_dir: Path) -> Result:
             "plain_cmd": launch_command(exp, exp_dir, port, args, probed=False),
             "script_args": args, "user_script_args": exp.script_args, "arg_mappings": exp.arg_mappings,
             "resources": asdict(exp.resources), "master_port": port, "start_profile_step": exp.start_profile_step,
-            "end_profile_step": exp.end_profile_step, "memory_limit_bytes": exp.memory_limit_bytes, "timeout_s": exp.timeout_s})
+            "end_profile_step": exp.end_profile_step, "memory_limit_bytes": exp.memory_limit_bytes, "timeout_s": exp.timeout_s,
+            "measure": exp.measure, "env": exp.env})
         atomic_write_json(exp_dir / probe.SETTINGS_FILE, {
             "start_profile_step": exp.start_profile_step, "end_profile_step": exp.end_profile_step,
-            "memory_limit_bytes": exp.memory_limit_bytes, "stop_after_window": exp.stop_after_window, "tuner_pid": os.getpid(), "tuner_pgid": os.getpgrp(),
+            "memory_limit_bytes": exp.memory_limit_bytes, "stop_after_window": exp.stop_after_window,
+            "measure": exp.measure, "tuner_pid": os.getpid(), "tuner_pgid": os.getpgrp(),
             "tuner_create_time": _create_time(), "tuner_host": socket.gethostname(), "launch_time": time.time()})
         with open(exp_dir / "stdout.log", "w") as out, open(exp_dir / "stderr.log", "w") as err:
             proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True,

@@ -3,13 +3,18 @@
 The DeepSpeed launcher starts each rank as
     python -u -m mlautotune.probe [--local_rank=N] <exp_dir> <script> [script args]
 The probe reads its settings from <exp_dir>/probe.json, wraps DeepSpeedEngine.forward/step, then
-runs the script as `__main__`. It times every optimizer step (wall clock, everything included),
-takes the slowest rank per step, writes <exp_dir>/metrics.json from rank 0 once the window
-[start_profile_step, end_profile_step] is measured, and ends all ranks at once.
+runs the script as `__main__`. It times every optimizer step (wall clock, everything included;
+inside the window the accelerator is synchronised at each step's end), takes the slowest rank per
+step and, from end_profile_step on, every few steps decides with all ranks at once whether the
+window can end (mlautotune.measure: warm-up skipped, the median known to the target interval, or
+the budget spent). Then rank 0 writes <exp_dir>/metrics.json and all ranks end together; in the
+final training (stop_after_window false) the script goes on and, at its end, the end-to-end
+throughput after warm-up is added to metrics.json.
 Each rank also writes <exp_dir>/rank<N>.json (peak memory, step count, timeline), even on OOM.
 """
 
 import json
+import math
 import os
 import resource
 import runpy
@@ -19,6 +24,8 @@ import statistics
 import sys
 import threading
 import time
+
+from mlautotune import measure
 
 PROBE_START = time.time()  # before torch and deepspeed are imported: the start of "imports"
 
@@ -62,7 +69,13 @@ class Probe:
         self.end = max(self.start, int(settings["end_profile_step"]))
         self.limit = settings.get("memory_limit_bytes")
         self.device = "cpu"
-        self.boundaries = []  # perf_counter when engine.global_steps became 1, 2, ...
+        self.measure = settings["measure"]  # the window settings (conf measure.*), see mlautotune.measure
+        self.accelerator = None  # DeepSpeed's accelerator, set in main(): synchronised at step boundaries in the window
+        self.ends = []  # perf_counter when engine.global_steps became 1, 2, ... (after synchronising, in the window)
+        self.starts = []  # perf_counter when the probe handed control back to the script after each step
+        self.window = None  # once the window is closed: its first and last measured step
+        self.engine = None
+        self.metrics = None  # rank 0: what metrics.json holds
         self.fwd_flops = None  # one micro-batch forward, from DeepSpeed's flops profiler
         self.peak = 0
         self.timeline = {"probe_start": PROBE_START, "launch": settings.get("launch_time")}
@@ -73,7 +86,7 @@ class Probe:
 
     def rank_record(self, status: str, **extra) -> dict:
         return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "status": status, "peak_memory_bytes": self.peak,
-                "memory_limit_bytes": self.limit, "optimizer_steps": len(self.boundaries),
+                "memory_limit_bytes": self.limit, "optimizer_steps": len(self.ends),
                 "timeline": dict(self.timeline), **extra}
 
     def write_rank_record(self, status: str, **extra) -> None:
@@ -82,8 +95,7 @@ class Probe:
         atomic_write_json(os.path.join(self.exp_dir, rank_file(self.rank)), self.rank_record(status, **extra))
 
     def ended_early(self) -> str:
-        self.mark("script_end")
-        return (f"the script ended after {len(self.boundaries)} optimizer steps, before the measurement window "
+        return (f"the script ended after {len(self.ends)} optimizer steps, before the measurement window "
                 f"(steps {self.start}..{self.end}) was complete")
 
     def exit_oom(self, reason: str) -> None:
@@ -130,39 +142,104 @@ class Probe:
         return out
 
     def on_step(self, engine) -> None:
-        self.boundaries.append(time.perf_counter())
+        """Called after every optimizer step. Inside the window the accelerator is synchronised first, so
+        the step's end is when the device finished its work, not when the host ran ahead of it."""
+        n = len(self.ends) + 1  # the optimizer step that just ended
+        if self.window is None and n >= self.start - 1:
+            self.accelerator.synchronize()
+        self.ends.append(time.perf_counter())
+        self.engine = engine
         self.check_memory()
-        if len(self.boundaries) == self.start - 1:
+        if n == self.start - 1:
             self.mark("window_start")
-        if len(self.boundaries) == self.end:
-            self.mark("window_end")
-            self.finish(engine)
+        if self.window is None and n >= self.end and self.check_due(n):
+            self.check_window(n)
+        self.starts.append(time.perf_counter())  # the probe's own time (checks, files) is no step's time
 
-    def finish(self, engine) -> None:
-        """Combine the ranks' step times (slowest rank per step), write metrics.json on rank 0, end every rank."""
+    def check_due(self, n: int) -> bool:
+        if not self.measure["adaptive"]:
+            return n == self.end
+        return (n - self.end) % self.measure["check_every"] == 0
+
+    def step_times(self, n: int) -> list:
+        """Seconds of steps start..n: from the script getting control back after the previous step to this step's end."""
+        return [self.ends[k - 1] - self.starts[k - 2] for k in range(self.start, n + 1)]
+
+    def gather(self, mine: dict) -> list:
+        """Every rank's `mine`, on every rank (the same list everywhere, so every rank decides alike)."""
+        from deepspeed import comm as dist
+
+        if not dist.is_initialized():  # the script tore the process group down: only this rank is known
+            return [mine]
+        self.rank = dist.get_rank()
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, mine)
+        return ranks
+
+    def check_window(self, n: int, script_ended: bool = False) -> None:
+        """The collective stop check: combine the ranks' step times (slowest rank per step) and decide."""
+        import torch
+
+        mine = {"step_times": self.step_times(n), "elapsed": self.ends[n - 1] - self.starts[self.start - 2],
+                "peak": self.peak, "fwd_flops": self.fwd_flops or 0, "threads": torch.get_num_threads()}
+        ranks = self.gather(mine)
+        steps = [max(per_rank) for per_rank in zip(*(r["step_times"] for r in ranks))]
+        elapsed = max(r["elapsed"] for r in ranks)
+        m, min_steps = self.measure, self.end - self.start + 1
+        if m["adaptive"]:
+            decision = measure.decide(steps, elapsed, min_steps, m)
+        else:
+            rel = measure.interval_rel(steps, m["confidence"])
+            decision = measure.Decision(stop=True, warmup=0, interval_rel=rel, reached=rel <= m["target_interval"])
+        if decision.stop or script_ended:
+            self.close_window(n, steps, ranks, decision, elapsed)
+
+    def close_window(self, n: int, steps: list, ranks: list, decision, elapsed: float) -> None:
+        """Write metrics.json on rank 0; end every rank, unless this is the final training (it goes on)."""
         from deepspeed import comm as dist
 
         from mlautotune.files import atomic_write_json
 
-        b = self.boundaries
-        mine = {"step_times": [b[n - 1] - b[n - 2] for n in range(self.start, self.end + 1)],
-                "peak": self.peak, "fwd_flops": self.fwd_flops or 0}
-        self.rank = dist.get_rank()
-        ranks = [None] * dist.get_world_size()
-        dist.all_gather_object(ranks, mine)
+        self.mark("window_end")
+        self.window = {"last": n, "first": self.start + decision.warmup}
         if self.rank == 0:
-            steps = [max(per_rank) for per_rank in zip(*(r["step_times"] for r in ranks))]
-            atomic_write_json(os.path.join(self.exp_dir, METRICS_FILE), self.metrics(engine, steps, ranks))
+            self.metrics = self.window_metrics(steps[decision.warmup:], ranks, decision, elapsed)
+            atomic_write_json(os.path.join(self.exp_dir, METRICS_FILE), self.metrics)
         self.mark("combined")
         self.write_rank_record("measured")
         if not self.settings.get("stop_after_window", True):
             return  # the final training: keep training to the script's own end
-        dist.barrier()
+        if dist.is_initialized():
+            dist.barrier()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
 
-    def metrics(self, engine, steps, ranks) -> dict:
+    def at_script_end(self) -> None:
+        """The script returned: close a window that reached its minimum, or record the end-to-end throughput
+        after warm-up (final training); a script that ended before the minimum window is incomplete."""
+        self.mark("script_end")
+        n = len(self.ends)
+        if self.window is None and n >= self.end:
+            self.check_window(n, script_ended=True)
+        if self.window is None:
+            self.write_rank_record("ended", reason=self.ended_early())
+            return
+        self.accelerator.synchronize()
+        first = self.window["first"]
+        mine = {"seconds": time.perf_counter() - self.starts[first - 2], "steps": n - first + 1}
+        ranks = self.gather(mine)
+        if self.rank == 0 and self.metrics is not None:
+            from mlautotune.files import atomic_write_json
+
+            seconds = max(r["seconds"] for r in ranks)
+            self.metrics.update(end_to_end_steps=mine["steps"], end_to_end_seconds=seconds,
+                                end_to_end_throughput=self.metrics["train_batch_size"] * mine["steps"] / seconds)
+            atomic_write_json(os.path.join(self.exp_dir, METRICS_FILE), self.metrics)
+        self.write_rank_record("measured")
+
+    def window_metrics(self, steps: list, ranks: list, decision, elapsed: float) -> dict:
+        engine = self.engine
         med, lo, hi = statistics.median(steps), min(steps), max(steps)
         tbs, mbs, gas = engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
         params = list(engine.module.parameters())
@@ -178,6 +255,13 @@ class Probe:
             "step_time_max_ms": hi * 1000.0,
             "step_time_spread": (hi - lo) / med,
             "step_times_ms": [t * 1000.0 for t in steps],
+            "interval_rel": decision.interval_rel if math.isfinite(decision.interval_rel) else None,
+            "disturbed": not decision.reached,
+            "warmup_steps": decision.warmup,
+            "measured_steps": len(steps),
+            "measure_seconds": elapsed,
+            "adaptive": bool(self.measure["adaptive"]),
+            "threads_per_rank": max(r["threads"] for r in ranks),
             "train_batch_size": tbs,
             "micro_batch": mbs,
             "gas": gas,
@@ -186,6 +270,8 @@ class Probe:
             "trainable_num_params": sum(numel(p) for p in params if p.requires_grad),
             "start_profile_step": self.start,
             "end_profile_step": self.end,
+            "first_measured_step": self.window["first"],
+            "last_measured_step": self.window["last"],
         }
 
 
@@ -241,7 +327,8 @@ def main(argv) -> None:
     import deepspeed  # noqa: F401  (imported here so "imports" is timed apart from the script)
     from deepspeed.accelerator import get_accelerator
 
-    probe.device = get_accelerator().device_name()
+    probe.accelerator = get_accelerator()
+    probe.device = probe.accelerator.device_name()
     threading.Thread(target=probe.watchdog, name="mlautotune-watchdog", daemon=True).start()
     install(probe)
     probe.mark("script_start")
@@ -252,7 +339,7 @@ def main(argv) -> None:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         if e.code in (0, None):
-            probe.write_rank_record("ended", reason=probe.ended_early())
+            probe.at_script_end()
         else:
             probe.write_rank_record("failed", reason=f"the script called exit({e.code!r})")
         raise
@@ -261,7 +348,7 @@ def main(argv) -> None:
             probe.exit_oom(f"accelerator out of memory: {e}")
         probe.write_rank_record("failed", error=f"{type(e).__name__}: {e}"[:500])
         raise
-    probe.write_rank_record("ended", reason=probe.ended_early())
+    probe.at_script_end()
 
 
 if __name__ == "__main__":

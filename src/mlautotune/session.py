@@ -20,6 +20,7 @@ from mlautotune import config as configlib
 from mlautotune.errors import UserError
 from mlautotune.experiment import Experiment, Resources, Result, run_experiment, world_size
 from mlautotune.files import atomic_write_json, read_json
+from mlautotune.measure import thread_env
 from mlautotune.search import SearchSettings
 from mlautotune.space import TuningPlan, build_plan, experiment_config, experiment_name
 
@@ -84,6 +85,8 @@ class Session:
             end_profile_step=self.at.end_profile_step,
             memory_limit_bytes=self.memory_limit_bytes,
             timeout_s=self.at.experiment_timeout,
+            env=thread_env(self.device, local_ranks(self.resources, self.world_size), list(self.resources.launcher_args)),
+            measure=OmegaConf.to_container(self.cfg.measure, resolve=True),
         )
 
     def run(self, exp: Experiment) -> Result:
@@ -262,8 +265,12 @@ def accelerator_name() -> str:
 def default_memory_limit(device: str, resources: Resources, ws: int) -> int:
     from mlautotune.memory import default_limit
 
-    local = resources.num_gpus or max(1, ws // (resources.num_nodes or 1))
-    return default_limit(device, local)
+    return default_limit(device, local_ranks(resources, ws))
+
+
+def local_ranks(resources: Resources, ws: int) -> int:
+    """Ranks per node (nodes assumed alike)."""
+    return resources.num_gpus or max(1, ws // (resources.num_nodes or 1))
 
 
 def hardware_params(session: Session) -> Dict[str, Any]:

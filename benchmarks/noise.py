@@ -1,0 +1,124 @@
+"""How reproducible one experiment's throughput is: the old fixed window against the adaptive one.
+
+    python benchmarks/noise.py [--repeats 5] [--busy] [--stage 1] [--mbs 8] [--json OUT]
+
+Measures one configuration of the bundled workload (2 CPU ranks, default ZeRO-1, micro-batch 8)
+`--repeats` times through the product's run_experiment, interleaving two measurements:
+  fixed     the window start_profile_step..end_profile_step (3..5) as before, torch's default threads;
+  adaptive  conf's measure settings (warm-up, target interval, budget) and cores / ranks threads.
+With --busy, every repeat is measured twice more with a CPU-bound process beside the experiment,
+and each busy repeat is checked against the quiet median: within 5% of it, or flagged disturbed.
+Prints, per method and condition: the throughputs, their CV, the median wall seconds per
+experiment, the seconds the adaptive window adds, and how many repeats were flagged disturbed.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from mlautotune.config import MeasureConf
+from mlautotune.experiment import Experiment, Resources, run_experiment
+from mlautotune.files import read_json
+from mlautotune.measure import thread_env
+from mlautotune.session import BUNDLED_CONFIG
+from mlautotune.workloads import GPT_SCRIPT
+
+RANKS = 2
+CLOSE = 0.05  # a busy repeat within 5% of the quiet median needs no flag
+BUSY_LOOP = "while True:\n    pass\n"
+
+
+def experiment(method: str, stage: int, mbs: int, steps: int) -> Experiment:
+    ds_config = {k: v for k, v in read_json(BUNDLED_CONFIG).items() if k != "autotuning"}
+    ds_config.update(train_micro_batch_size_per_gpu=mbs, gradient_accumulation_steps=1, zero_optimization={"stage": stage})
+    adaptive = method == "adaptive"
+    return Experiment(name=f"{method}_z{stage}_mbs{mbs}", ds_config=ds_config, script=str(GPT_SCRIPT), script_args=["--steps", str(steps)],
+                      resources=Resources(num_gpus=RANKS), params={"stage": stage, "micro_batch": mbs, "gas": 1}, timeout_s=600,
+                      measure={**asdict(MeasureConf()), "adaptive": adaptive},
+                      env=thread_env("cpu", RANKS, []) if adaptive else {})
+
+
+def measure_once(exp: Experiment, work: Path, busy: bool) -> dict:
+    hog = subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) if busy else None
+    try:
+        result = run_experiment(exp, work)
+    finally:
+        if hog is not None:
+            hog.kill()
+            hog.wait()
+    m = result.metrics
+    row = {"status": result.status, "wall_s": result.wall_time_s, "throughput": m.get("throughput"), "interval_rel": m.get("interval_rel"),
+           "disturbed": m.get("disturbed"), "measured_steps": m.get("measured_steps"), "warmup_steps": m.get("warmup_steps"),
+           "measure_seconds": m.get("measure_seconds"), "threads_per_rank": m.get("threads_per_rank")}
+    print(f"  {exp.name:<22} {'busy ' if busy else 'quiet'} {result.status:<10} {row['throughput'] or 0:8.2f} samples/s  "
+          f"+-{100 * (row['interval_rel'] or 0):5.1f}%  steps {row['measured_steps']}  wall {result.wall_time_s:5.1f} s"
+          f"{'  DISTURBED' if row['disturbed'] else ''}", flush=True)
+    return row
+
+
+def cv(values) -> float:
+    return statistics.stdev(values) / statistics.mean(values) if len(values) > 1 else 0.0
+
+
+def summarise(rows: list, quiet_median=None) -> dict:
+    ok = [r for r in rows if r["status"] == "ok"]
+    tps = [r["throughput"] for r in ok]
+    s = {"repeats": len(rows), "ok": len(ok), "throughputs": tps, "median_throughput": statistics.median(tps) if tps else None,
+         "cv": cv(tps) if tps else None, "median_wall_s": statistics.median(r["wall_s"] for r in rows),
+         "disturbed": sum(bool(r["disturbed"]) for r in ok),
+         "median_interval_rel": statistics.median(r["interval_rel"] for r in ok if r["interval_rel"] is not None) if ok else None}
+    if quiet_median:
+        s["within_5pct_or_flagged"] = sum(abs(r["throughput"] / quiet_median - 1) <= CLOSE or bool(r["disturbed"]) for r in ok)
+    return s
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--busy", action="store_true", help="also measure with a CPU-bound process beside the experiment")
+    p.add_argument("--stage", type=int, default=1)
+    p.add_argument("--mbs", type=int, default=8)
+    p.add_argument("--steps", type=int, default=200, help="the script's optimizer steps (the adaptive window stops the ranks earlier)")
+    p.add_argument("--json", metavar="OUT", help="write the rows and the summary as JSON")
+    args = p.parse_args()
+
+    conditions = [False, True] if args.busy else [False]
+    methods = ("fixed", "adaptive")
+    rows = {(m, b): [] for m in methods for b in conditions}
+    with tempfile.TemporaryDirectory(prefix="mlautotune-noise-") as work:
+        for i in range(args.repeats):
+            print(f"repeat {i + 1}/{args.repeats}", flush=True)
+            for busy in conditions:
+                for method in methods:  # interleaved, so a slow spell of the machine hits both alike
+                    rows[method, busy].append(measure_once(experiment(method, args.stage, args.mbs, args.steps), Path(work), busy))
+
+    summary = {}
+    for method in methods:
+        quiet = summarise(rows[method, False])
+        summary[method] = {"quiet": quiet}
+        if args.busy:
+            summary[method]["busy"] = summarise(rows[method, True], quiet["median_throughput"])
+    added = summary["adaptive"]["quiet"]["median_wall_s"] - summary["fixed"]["quiet"]["median_wall_s"]
+
+    print(f"\nZeRO-{args.stage}, micro-batch {args.mbs}, {RANKS} CPU ranks, {args.repeats} repeats per method and condition")
+    print(f"{'method':<9} {'condition':<9} {'median samples/s':>16} {'CV':>6} {'median +-':>9} {'wall s':>7} {'disturbed':>9}  within 5% or flagged")
+    for method in methods:
+        for cond, s in summary[method].items():
+            within = f"{s['within_5pct_or_flagged']}/{s['ok']}" if "within_5pct_or_flagged" in s else "-"
+            print(f"{method:<9} {cond:<9} {s['median_throughput'] or 0:16.2f} {100 * (s['cv'] or 0):5.1f}% "
+                  f"{100 * (s['median_interval_rel'] or 0):8.1f}% {s['median_wall_s']:7.1f} {s['disturbed']:>5}/{s['ok']:<3}  {within}")
+    print(f"added seconds per experiment (adaptive - fixed, quiet medians): {added:+.1f} s "
+          f"({100 * added / summary['fixed']['quiet']['median_wall_s']:+.0f}%)")
+    if args.json:
+        out = {"args": vars(args), "measure": asdict(MeasureConf()), "summary": summary, "added_s": added,
+               "rows": {f"{m}/{'busy' if b else 'quiet'}": r for (m, b), r in rows.items()}}
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""The statistics of the adaptive measurement window, and the threads a CPU rank gets. Pure Python.
+
+The probe in every rank collects the step times (slowest rank per step) from start_profile_step on
+and asks `decide` every few steps whether to stop: leading steps that are still settling are
+skipped as warm-up, and the window ends once the median step time is known to within the target
+relative confidence interval, or once the measuring budget is spent. The interval is
+distribution-free: order statistics of the sample, with ranks from the binomial distribution.
+"""
+
+import math
+import os
+import statistics
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+
+@dataclass(frozen=True)
+class Decision:
+    stop: bool
+    warmup: int  # leading steps skipped as warm-up
+    interval_rel: float  # relative half-width of the median's confidence interval (inf: too few steps)
+    reached: bool  # interval_rel <= the target
+
+
+def median_interval(times: Sequence[float], confidence: float = 0.95) -> Tuple[float, float, float]:
+    """(median, low, high): a distribution-free confidence interval for the median.
+
+    [x_(j), x_(n+1-j)] of the sorted sample covers the median with probability 1 - 2 P(B <= j-1),
+    B ~ Binomial(n, 1/2); j is the largest rank that keeps this at least `confidence`. Below 6 values
+    no pair reaches 95%, and the interval is the whole range [min, max].
+    """
+    x = sorted(times)
+    n = len(x)
+    if n == 0:
+        raise ValueError("no step times")
+    alpha = (1.0 - confidence) / 2.0
+    j, cdf = 1, 0.5**n  # cdf = P(B <= j-1)
+    while j < (n + 1) // 2:
+        nxt = cdf + math.comb(n, j) * 0.5**n  # P(B <= j)
+        if nxt > alpha:
+            break
+        j, cdf = j + 1, nxt
+    return statistics.median(x), x[j - 1], x[n - j]
+
+
+def interval_rel(times: Sequence[float], confidence: float = 0.95) -> float:
+    """The larger side of the median's confidence interval, relative to the median (0.02: +-2%)."""
+    if len(times) < 2:
+        return math.inf
+    med, lo, hi = median_interval(times, confidence)
+    return max(med - lo, hi - med) / med if med > 0 else math.inf
+
+
+def warmup_steps(times: Sequence[float], tolerance: float, cap: int, keep: int) -> int:
+    """Leading steps still settling: each is slower than (1 + tolerance) x the median of the steps after it.
+
+    At most `cap`, and never so many that fewer than `keep` steps remain.
+    """
+    limit = max(0, min(cap, len(times) - keep))
+    for d in range(limit):
+        if times[d] <= (1.0 + tolerance) * statistics.median(times[d + 1:]):
+            return d
+    return limit
+
+
+def decide(times: Sequence[float], elapsed_s: float, min_steps: int, settings: Dict) -> Decision:
+    """Whether the window can end now. `times`: step times from start_profile_step on (slowest rank per
+    step); `elapsed_s`: seconds since the window opened (warm-up included); `min_steps`: the user's
+    window length (end_profile_step - start_profile_step + 1), a minimum."""
+    w = warmup_steps(times, settings["warmup_tolerance"], settings["max_warmup_steps"], min_steps)
+    measured = times[w:]
+    rel = interval_rel(measured, settings["confidence"])
+    reached = rel <= settings["target_interval"]
+    enough = len(measured) >= min_steps
+    return Decision(stop=enough and (reached or elapsed_s >= settings["budget_s"]), warmup=w, interval_rel=rel, reached=reached)
+
+
+# ---- threads per CPU rank ----------------------------------------------------------------------
+
+THREAD_VARIABLES = ("OMP_NUM_THREADS",)
+BIND_FLAG = "--bind_cores_to_rank"
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (affinity and cpusets respected where the OS tells)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
+def thread_env(device: str, local_ranks: int, launcher_args: List[str], environ: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """OMP_NUM_THREADS = cores / local ranks for CPU ranks (torch takes its intra-op threads from it).
+
+    Nothing when the ranks run on an accelerator, when the user set OMP_NUM_THREADS, or when
+    DeepSpeed's --bind_cores_to_rank divides the cores itself.
+    """
+    environ = os.environ if environ is None else environ
+    if device != "cpu" or any(v in environ for v in THREAD_VARIABLES) or BIND_FLAG in launcher_args:
+        return {}
+    return {"OMP_NUM_THREADS": str(max(1, usable_cores() // max(1, local_ranks)))}

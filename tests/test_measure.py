@@ -1,0 +1,166 @@
+"""Measurement truth: the window's statistics directly, the probe's accelerator synchronisation, then
+real 2-rank CPU launches (noisy and quiet step times) and a mode=run session read back from MLflow."""
+
+import json
+import math
+import random
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlautotune import measure
+from mlautotune.config import MeasureConf
+from mlautotune.probe import Probe
+
+SETTINGS = {"target_interval": 0.02, "budget_s": 3.0, "max_warmup_steps": 10, "warmup_tolerance": 0.1, "confidence": 0.95,
+            "check_every": 2, "adaptive": True}
+
+
+# ---------- the statistics ----------
+
+def binomial_coverage(n: int, j: int) -> float:
+    """P(x_(j) <= median <= x_(n+1-j)) for a continuous distribution, from first principles."""
+    return 1 - 2 * sum(math.comb(n, i) for i in range(j)) / 2**n
+
+
+@pytest.mark.parametrize("n", [6, 9, 20, 51, 200])
+def test_median_interval_uses_the_tightest_order_statistics_with_95_percent_coverage(n):
+    x = list(range(1, n + 1))  # x_(k) = k
+    random.Random(n).shuffle(x)
+    med, lo, hi = measure.median_interval(x)
+    assert med == statistics.median(x) and lo + hi == n + 1  # symmetric ranks
+    j = lo
+    assert binomial_coverage(n, j) >= 0.95 > binomial_coverage(n, j + 1)
+
+
+def test_median_interval_of_few_values_is_the_whole_range():
+    assert measure.median_interval([3.0, 1.0, 2.0]) == (2.0, 1.0, 3.0)
+    assert measure.interval_rel([1.0]) == math.inf
+    with pytest.raises(ValueError):
+        measure.median_interval([])
+
+
+def test_median_interval_covers_the_true_median_about_95_percent_of_the_time():
+    rng = random.Random(7)
+    hits = 0
+    for _ in range(2000):
+        sample = [rng.lognormvariate(0.0, 0.5) for _ in range(25)]  # skewed: the median is exp(0) = 1
+        _, lo, hi = measure.median_interval(sample)
+        hits += lo <= 1.0 <= hi
+    assert 0.94 <= hits / 2000 <= 0.995
+
+
+def test_interval_rel_shrinks_with_more_steps_and_grows_with_noise():
+    rng = random.Random(1)
+    quiet = [0.1 * (1 + rng.gauss(0, 0.02)) for _ in range(200)]
+    noisy = [0.1 * (1 + abs(rng.gauss(0, 0.5))) for _ in range(200)]
+    assert measure.interval_rel(quiet[:10]) > measure.interval_rel(quiet) < 0.01
+    assert measure.interval_rel(noisy) > 5 * measure.interval_rel(quiet)
+
+
+def test_warmup_skips_leading_slow_steps_within_the_cap():
+    settled = [1.0, 1.02, 0.98, 1.01, 0.99, 1.0, 1.03, 0.97]
+    assert measure.warmup_steps(settled, 0.1, 10, 3) == 0
+    assert measure.warmup_steps([3.0, 2.0, 1.5, *settled], 0.1, 10, 3) == 3
+    assert measure.warmup_steps([3.0, 2.0, 1.5, *settled], 0.1, 2, 3) == 2  # the cap
+    assert measure.warmup_steps([3.0, 2.0, 1.5, 1.0, 1.0], 0.1, 10, 3) == 2  # the minimum window is kept
+
+
+def test_decide_stops_at_the_target_or_the_budget_never_before_the_minimum():
+    quiet = [1.0 + 0.001 * (i % 3) for i in range(12)]
+    d = measure.decide([5.0, *quiet], elapsed_s=1.0, min_steps=3, settings=SETTINGS)
+    assert d.stop and d.reached and d.warmup == 1 and d.interval_rel <= 0.02
+    noisy = [1.0, 1.5, 0.8, 1.3, 0.9, 1.6, 1.1, 0.7]
+    assert not measure.decide(noisy, 1.0, 3, SETTINGS).stop  # target not reached, budget left
+    late = measure.decide(noisy, 3.5, 3, SETTINGS)
+    assert late.stop and not late.reached and late.interval_rel > 0.02  # the budget is spent: stop, disturbed
+    assert not measure.decide([1.0, 1.0], 99.0, 3, SETTINGS).stop  # never before the user's minimum window
+
+
+def test_defaults_are_in_conf_and_keep_an_experiment_short():
+    conf = MeasureConf()
+    assert conf.adaptive and conf.target_interval == 0.02
+    assert conf.budget_s <= 4.0  # an experiment of ~20 s may grow by at most 25%
+    assert set(SETTINGS) == set(conf.__dataclass_fields__)
+
+
+def test_threads_per_cpu_rank_divide_the_cores_unless_the_user_decided():
+    cores = measure.usable_cores()
+    assert measure.thread_env("cpu", 2, [], environ={}) == {"OMP_NUM_THREADS": str(max(1, cores // 2))}
+    assert measure.thread_env("cpu", 4 * cores, [], environ={}) == {"OMP_NUM_THREADS": "1"}
+    assert measure.thread_env("cpu", 2, [], environ={"OMP_NUM_THREADS": "3"}) == {}  # the user's own setting
+    assert measure.thread_env("cpu", 2, ["--bind_cores_to_rank"], environ={}) == {}  # DeepSpeed divides them
+    assert measure.thread_env("cuda", 2, [], environ={}) == {}
+
+
+# ---------- the probe synchronises the accelerator inside the window only ----------
+
+def test_probe_synchronises_the_real_accelerator_at_step_boundaries_in_the_window(tmp_path, monkeypatch):
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    synchronize = accelerator.synchronize
+    calls = []
+
+    def observed(*args, **kwargs):
+        calls.append(len(probe.ends) + 1)  # the step whose end is being synchronised
+        return synchronize(*args, **kwargs)
+
+    monkeypatch.setattr(accelerator, "synchronize", observed)
+    probe = Probe(str(tmp_path), {"start_profile_step": 4, "end_profile_step": 1000, "measure": SETTINGS})
+    probe.accelerator = accelerator
+    for _ in range(7):
+        probe.on_step(engine=None)  # the window never closes here, so the engine is never read
+    assert calls == [3, 4, 5, 6, 7]  # the window opens at the end of step start-1; nothing before is slowed
+    assert len(probe.step_times(7)) == 4 and all(t > 0 for t in probe.step_times(7))
+
+
+# ---------- real launches: 2 CPU ranks, a tiny model with controlled step times ----------
+
+TIMED = Path(__file__).parent / "scripts" / "timed_gpt.py"
+TINY = ["--num_layers", "1", "--hidden_size", "32", "--num_heads", "2", "--seq_len", "32", "--vocab_size", "256"]
+
+
+def timed_experiment(tiny_experiment, sleep, jitter, steps, **measure_settings):
+    exp = tiny_experiment(script=TIMED, script_args=["--sleep", str(sleep), "--jitter", str(jitter), "--steps", str(steps), *TINY],
+                          start_profile_step=3, end_profile_step=5)
+    exp.measure.update(measure_settings)
+    return exp
+
+
+@pytest.mark.e2e
+def test_noisy_steps_grow_the_window_until_the_budget(tiny_experiment, tmp_path, leftovers):
+    # Steps of 20-120 ms, uniformly: the median is known to +-2% only after hundreds of steps.
+    exp = timed_experiment(tiny_experiment, 0.02, 0.1, 500, budget_s=2.0)
+    from mlautotune.experiment import run_experiment
+
+    result = run_experiment(exp, tmp_path)
+    assert result.status == "ok", result.reason
+    m = result.metrics
+    assert m["disturbed"] is True and m["interval_rel"] > exp.measure["target_interval"]
+    assert m["measure_seconds"] >= exp.measure["budget_s"]  # it stopped at the budget ...
+    assert m["last_measured_step"] < 500  # ... not at the script's end
+    assert m["measured_steps"] > 3 * (exp.end_profile_step - exp.start_profile_step + 1)  # the window grew
+    assert m["measured_steps"] == len(m["step_times_ms"]) == m["last_measured_step"] - m["first_measured_step"] + 1
+    assert m["first_measured_step"] == exp.start_profile_step + m["warmup_steps"]
+    assert m["interval_rel"] == pytest.approx(measure.interval_rel(m["step_times_ms"]))
+    assert m["threads_per_rank"] >= 1
+    assert leftovers(result.exp_dir) == []
+
+
+@pytest.mark.e2e
+def test_quiet_steps_stop_before_the_budget_within_the_target(tiny_experiment, tmp_path, leftovers):
+    # Steps of ~60 ms, nearly all of it a sleep: quiet even on a busy machine.
+    exp = timed_experiment(tiny_experiment, 0.06, 0.0, 500, budget_s=20.0)
+    from mlautotune.experiment import run_experiment
+
+    result = run_experiment(exp, tmp_path)
+    assert result.status == "ok", result.reason
+    m = result.metrics
+    assert m["disturbed"] is False and m["interval_rel"] <= exp.measure["target_interval"]
+    assert m["measure_seconds"] < exp.measure["budget_s"] and m["last_measured_step"] < 500
+    assert m["measured_steps"] >= exp.end_profile_step - exp.start_profile_step + 1
+    assert leftovers(result.exp_dir) == []
