@@ -129,10 +129,12 @@ def test_every_zero_stage_is_measured(stage, tiny_experiment, tmp_path, leftover
     assert (m["train_batch_size"], m["micro_batch"], m["gas"], m["world_size"]) == (12, 3, 2, 2)
     assert m["throughput"] > 0 and m["FLOPS_per_gpu"] > 0 and m["peak_memory_bytes"] > 50 * 2**20
     assert m["latency"] * m["throughput"] / 1000 == pytest.approx(m["train_batch_size"])
-    assert len(m["step_times_ms"]) == exp.end_profile_step - exp.start_profile_step + 1
+    assert len(m["step_times_ms"]) == m["measured_steps"] >= exp.end_profile_step - exp.start_profile_step + 1  # the minimum window
+    assert m["first_measured_step"] == exp.start_profile_step + m["warmup_steps"]
+    assert m["interval_rel"] > 0 and isinstance(m["disturbed"], bool) and m["threads_per_rank"] >= 1
     assert m["step_time_min_ms"] <= m["step_time_median_ms"] == m["latency"] <= m["step_time_max_ms"]
     assert m["num_params"] == m["trainable_num_params"] == tiny_num_params()  # ZeRO-3 partitions counted in full
-    assert 0 < result.wall_time_s < 120 and result.returncode == 0
+    assert result.returncode == 0
     assert leftovers(str(d)) == []
 
 

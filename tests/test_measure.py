@@ -3,10 +3,12 @@ real 2-rank CPU launches (noisy and quiet step times) and a mode=run session rea
 
 import json
 import math
+import os
 import random
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ from mlautotune.config import MeasureConf
 from mlautotune.probe import Probe
 
 SETTINGS = {"target_interval": 0.02, "budget_s": 3.0, "max_warmup_steps": 10, "warmup_tolerance": 0.1, "confidence": 0.95,
-            "check_every": 2, "adaptive": True}
+            "check_every": 2, "adaptive": True, "max_cpu_wait": 0.05}
 
 
 # ---------- the statistics ----------
@@ -67,17 +69,47 @@ def test_warmup_skips_leading_slow_steps_within_the_cap():
     assert measure.warmup_steps([3.0, 2.0, 1.5, *settled], 0.1, 10, 3) == 3
     assert measure.warmup_steps([3.0, 2.0, 1.5, *settled], 0.1, 2, 3) == 2  # the cap
     assert measure.warmup_steps([3.0, 2.0, 1.5, 1.0, 1.0], 0.1, 10, 3) == 2  # the minimum window is kept
+    assert measure.warmup_steps([3.0, 2.0, 1.5, 1.4, 1.0, 1.0], 0.1, 10, 1) == 3  # at most half the steps
 
 
 def test_decide_stops_at_the_target_or_the_budget_never_before_the_minimum():
     quiet = [1.0 + 0.001 * (i % 3) for i in range(12)]
     d = measure.decide([5.0, *quiet], elapsed_s=1.0, min_steps=3, settings=SETTINGS)
-    assert d.stop and d.reached and d.warmup == 1 and d.interval_rel <= 0.02
+    assert d.stop and not d.disturbed and d.warmup == 1 and d.interval_rel <= 0.02
     noisy = [1.0, 1.5, 0.8, 1.3, 0.9, 1.6, 1.1, 0.7]
     assert not measure.decide(noisy, 1.0, 3, SETTINGS).stop  # target not reached, budget left
     late = measure.decide(noisy, 3.5, 3, SETTINGS)
-    assert late.stop and not late.reached and late.interval_rel > 0.02  # the budget is spent: stop, disturbed
+    assert late.stop and late.disturbed and late.interval_rel > 0.02  # the budget is spent: stop, disturbed
     assert not measure.decide([1.0, 1.0], 99.0, 3, SETTINGS).stop  # never before the user's minimum window
+
+
+def test_a_window_that_waited_for_cpus_is_disturbed_and_goes_on_to_the_budget():
+    quiet = [1.0] * 12
+    contended = measure.decide(quiet, 1.0, 3, SETTINGS, cpu_wait=0.3)
+    assert not contended.stop and contended.disturbed and contended.interval_rel == 0.0
+    assert measure.decide(quiet, 3.5, 3, SETTINGS, cpu_wait=0.3).stop
+
+
+def test_the_fixed_window_stops_at_once_and_skips_no_warm_up():
+    fixed = {**SETTINGS, "adaptive": False}
+    d = measure.decide([5.0, 1.0, 1.5], 0.1, 3, fixed)
+    assert d.stop and d.warmup == 0 and d.disturbed
+
+
+def test_cpu_wait_counts_time_runnable_without_a_cpu():
+    before = measure.cpu_wait_seconds()
+    if before is None:
+        pytest.skip("no schedstat on this system")
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(measure.usable_cores())]
+    try:
+        deadline = time.perf_counter() + 1.5
+        while time.perf_counter() < deadline:
+            pass  # runnable all the time, sharing the cores with the hogs
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    assert measure.cpu_wait_seconds() - before > 0.1
 
 
 def test_defaults_are_in_conf_and_keep_an_experiment_short():
@@ -154,7 +186,7 @@ def test_noisy_steps_grow_the_window_until_the_budget(tiny_experiment, tmp_path,
 @pytest.mark.e2e
 def test_quiet_steps_stop_before_the_budget_within_the_target(tiny_experiment, tmp_path, leftovers):
     # Steps of ~60 ms, nearly all of it a sleep: quiet even on a busy machine.
-    exp = timed_experiment(tiny_experiment, 0.06, 0.0, 500, budget_s=20.0)
+    exp = timed_experiment(tiny_experiment, 0.06, 0.0, 500, budget_s=20.0, max_cpu_wait=1.0)  # the machine may be shared
     from mlautotune.experiment import run_experiment
 
     result = run_experiment(exp, tmp_path)
@@ -164,3 +196,38 @@ def test_quiet_steps_stop_before_the_budget_within_the_target(tiny_experiment, t
     assert m["measure_seconds"] < exp.measure["budget_s"] and m["last_measured_step"] < 500
     assert m["measured_steps"] >= exp.end_profile_step - exp.start_profile_step + 1
     assert leftovers(result.exp_dir) == []
+
+
+@pytest.mark.e2e
+def test_mode_run_records_final_over_tuned_on_the_parent_run(tmp_path):
+    """Tune one configuration, then train with it: the final training's end-to-end throughput after warm-up
+    is on its child run, and final / tuned on the parent run (read back from a real MLflow store)."""
+    from mlflow.tracking import MlflowClient
+
+    from conftest import MAPPINGS
+
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": [2], "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                                  "zero_optimization": {"stage": 0},
+                                  "autotuning": {"enabled": True, "start_profile_step": 3, "end_profile_step": 5, "arg_mappings": MAPPINGS,
+                                                 "tuner_type": "gridsearch", "tuner_num_trials": 1}}))
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    script_args = " ".join(["--sleep", "0.06", "--jitter", "0", "--steps", "40", *TINY])
+    proc = subprocess.run([sys.executable, "-m", "mlautotune", f"config={config}", f"script={TIMED}", f"script_args={script_args}",
+                           "launcher.num_gpus=2", "search.remeasure=0", "mode=run"],
+                          cwd=tmp_path, env={**os.environ, "MLFLOW_TRACKING_URI": store}, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "final / tuned = " in out
+
+    client = MlflowClient(store)
+    found = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    (parent,) = [r for r in found if r.data.tags.get("mlautotune.role") == "session"]
+    (final,) = [r for r in found if r.data.tags.get("mlautotune.role") == "final_training"]
+    (tuned,) = [r for r in found if r.data.tags.get("experiment") == "z0_gas1_tmbspg2"]
+    e2e, tuned_tp = final.data.metrics["end_to_end_throughput"], tuned.data.metrics["throughput"]
+    assert parent.data.metrics["final_over_tuned"] == pytest.approx(e2e / tuned_tp)
+    assert 0.7 < parent.data.metrics["final_over_tuned"] < 1.3  # ~60 ms of sleep per step in both: the same work
+    assert {"interval_rel", "warmup_steps", "measured_steps", "measure_seconds", "disturbed", "threads_per_rank"} <= set(tuned.data.metrics)
+    metrics = json.loads((tmp_path / "autotuning_results" / "final_training" / "metrics.json").read_text())
+    assert metrics["end_to_end_steps"] == 40 - metrics["first_measured_step"] + 1  # every step after warm-up, to the script's end

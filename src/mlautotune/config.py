@@ -82,6 +82,7 @@ class MeasureConf:
     max_warmup_steps: int = 10  # leading steps skipped at most while the step time settles
     warmup_tolerance: float = 0.10  # a leading step slower than 1.1x the median of the rest is warm-up
     confidence: float = 0.95
+    max_cpu_wait: float = 0.05  # a rank waiting for a CPU longer than this share of the window is disturbed (Linux)
     check_every: int = 2  # optimizer steps between the ranks' collective stop checks
 
 

@@ -19,7 +19,7 @@ class Decision:
     stop: bool
     warmup: int  # leading steps skipped as warm-up
     interval_rel: float  # relative half-width of the median's confidence interval (inf: too few steps)
-    reached: bool  # interval_rel <= the target
+    disturbed: bool  # the target was not reached, or a rank waited too long for a CPU
 
 
 def median_interval(times: Sequence[float], confidence: float = 0.95) -> Tuple[float, float, float]:
@@ -54,25 +54,47 @@ def interval_rel(times: Sequence[float], confidence: float = 0.95) -> float:
 def warmup_steps(times: Sequence[float], tolerance: float, cap: int, keep: int) -> int:
     """Leading steps still settling: each is slower than (1 + tolerance) x the median of the steps after it.
 
-    At most `cap`, and never so many that fewer than `keep` steps remain.
+    At most `cap`, at most half the steps (a noisy run is not all warm-up), and never so many that
+    fewer than `keep` steps remain.
     """
-    limit = max(0, min(cap, len(times) - keep))
+    limit = max(0, min(cap, len(times) // 2, len(times) - keep))
     for d in range(limit):
         if times[d] <= (1.0 + tolerance) * statistics.median(times[d + 1:]):
             return d
     return limit
 
 
-def decide(times: Sequence[float], elapsed_s: float, min_steps: int, settings: Dict) -> Decision:
+def decide(times: Sequence[float], elapsed_s: float, min_steps: int, settings: Dict, cpu_wait: float = 0.0) -> Decision:
     """Whether the window can end now. `times`: step times from start_profile_step on (slowest rank per
     step); `elapsed_s`: seconds since the window opened (warm-up included); `min_steps`: the user's
-    window length (end_profile_step - start_profile_step + 1), a minimum."""
-    w = warmup_steps(times, settings["warmup_tolerance"], settings["max_warmup_steps"], min_steps)
+    window length (end_profile_step - start_profile_step + 1), a minimum; `cpu_wait`: the largest share
+    of the window a rank spent runnable but waiting for a CPU (another process took it).
+
+    A window that waited for CPUs is disturbed even when its step times agree (a constant slowdown):
+    it goes on to the budget, so the disturbance weighs less if it passes, and is flagged."""
+    adaptive = settings["adaptive"]
+    w = warmup_steps(times, settings["warmup_tolerance"], settings["max_warmup_steps"], min_steps) if adaptive else 0
     measured = times[w:]
     rel = interval_rel(measured, settings["confidence"])
-    reached = rel <= settings["target_interval"]
+    disturbed = rel > settings["target_interval"] or cpu_wait > settings["max_cpu_wait"]
     enough = len(measured) >= min_steps
-    return Decision(stop=enough and (reached or elapsed_s >= settings["budget_s"]), warmup=w, interval_rel=rel, reached=reached)
+    return Decision(stop=not adaptive or (enough and (not disturbed or elapsed_s >= settings["budget_s"])),
+                    warmup=w, interval_rel=rel, disturbed=disturbed)
+
+
+def cpu_wait_seconds() -> Optional[float]:
+    """Seconds this process's threads have spent runnable but waiting for a CPU (Linux schedstat); None elsewhere."""
+    total = 0
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[1])
+            except FileNotFoundError:  # a thread that just ended
+                continue
+    except (OSError, ValueError, IndexError):
+        return None
+    return total / 1e9
 
 
 # ---- threads per CPU rank ----------------------------------------------------------------------

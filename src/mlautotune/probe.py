@@ -74,6 +74,7 @@ class Probe:
         self.ends = []  # perf_counter when engine.global_steps became 1, 2, ... (after synchronising, in the window)
         self.starts = []  # perf_counter when the probe handed control back to the script after each step
         self.window = None  # once the window is closed: its first and last measured step
+        self.wait_at_open = None  # seconds this rank had waited for a CPU when the window opened (Linux)
         self.engine = None
         self.metrics = None  # rank 0: what metrics.json holds
         self.fwd_flops = None  # one micro-batch forward, from DeepSpeed's flops profiler
@@ -152,6 +153,7 @@ class Probe:
         self.check_memory()
         if n == self.start - 1:
             self.mark("window_start")
+            self.wait_at_open = measure.cpu_wait_seconds()
         if self.window is None and n >= self.end and self.check_due(n):
             self.check_window(n)
         self.starts.append(time.perf_counter())  # the probe's own time (checks, files) is no step's time
@@ -180,21 +182,20 @@ class Probe:
         """The collective stop check: combine the ranks' step times (slowest rank per step) and decide."""
         import torch
 
-        mine = {"step_times": self.step_times(n), "elapsed": self.ends[n - 1] - self.starts[self.start - 2],
-                "peak": self.peak, "fwd_flops": self.fwd_flops or 0, "threads": torch.get_num_threads()}
+        wait = measure.cpu_wait_seconds()
+        elapsed = self.ends[n - 1] - self.starts[self.start - 2]
+        mine = {"step_times": self.step_times(n), "elapsed": elapsed, "peak": self.peak, "fwd_flops": self.fwd_flops or 0,
+                "threads": torch.get_num_threads(),
+                "cpu_wait": (wait - self.wait_at_open) / elapsed if None not in (wait, self.wait_at_open) and elapsed > 0 else 0.0}
         ranks = self.gather(mine)
         steps = [max(per_rank) for per_rank in zip(*(r["step_times"] for r in ranks))]
         elapsed = max(r["elapsed"] for r in ranks)
-        m, min_steps = self.measure, self.end - self.start + 1
-        if m["adaptive"]:
-            decision = measure.decide(steps, elapsed, min_steps, m)
-        else:
-            rel = measure.interval_rel(steps, m["confidence"])
-            decision = measure.Decision(stop=True, warmup=0, interval_rel=rel, reached=rel <= m["target_interval"])
+        cpu_wait = max(0.0, *(r["cpu_wait"] for r in ranks))
+        decision = measure.decide(steps, elapsed, self.end - self.start + 1, self.measure, cpu_wait)
         if decision.stop or script_ended:
-            self.close_window(n, steps, ranks, decision, elapsed)
+            self.close_window(n, steps, ranks, decision, elapsed, cpu_wait)
 
-    def close_window(self, n: int, steps: list, ranks: list, decision, elapsed: float) -> None:
+    def close_window(self, n: int, steps: list, ranks: list, decision, elapsed: float, cpu_wait: float) -> None:
         """Write metrics.json on rank 0; end every rank, unless this is the final training (it goes on)."""
         from deepspeed import comm as dist
 
@@ -203,7 +204,7 @@ class Probe:
         self.mark("window_end")
         self.window = {"last": n, "first": self.start + decision.warmup}
         if self.rank == 0:
-            self.metrics = self.window_metrics(steps[decision.warmup:], ranks, decision, elapsed)
+            self.metrics = self.window_metrics(steps[decision.warmup:], ranks, decision, elapsed, cpu_wait)
             atomic_write_json(os.path.join(self.exp_dir, METRICS_FILE), self.metrics)
         self.mark("combined")
         self.write_rank_record("measured")
@@ -238,7 +239,7 @@ class Probe:
             atomic_write_json(os.path.join(self.exp_dir, METRICS_FILE), self.metrics)
         self.write_rank_record("measured")
 
-    def window_metrics(self, steps: list, ranks: list, decision, elapsed: float) -> dict:
+    def window_metrics(self, steps: list, ranks: list, decision, elapsed: float, cpu_wait: float) -> dict:
         engine = self.engine
         med, lo, hi = statistics.median(steps), min(steps), max(steps)
         tbs, mbs, gas = engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
@@ -256,7 +257,8 @@ class Probe:
             "step_time_spread": (hi - lo) / med,
             "step_times_ms": [t * 1000.0 for t in steps],
             "interval_rel": decision.interval_rel if math.isfinite(decision.interval_rel) else None,
-            "disturbed": not decision.reached,
+            "disturbed": decision.disturbed,
+            "cpu_wait_share": cpu_wait,
             "warmup_steps": decision.warmup,
             "measured_steps": len(steps),
             "measure_seconds": elapsed,
