@@ -196,7 +196,8 @@ def experiment_command(cfg: DictConfig) -> None:
     print(f"mlautotune: running {exp.name} ...", flush=True)
     result = session.run(exp)
     print(f"status: {result.status}")
-    for k in ("throughput", "latency", "FLOPS_per_gpu", "peak_memory_bytes", "step_time_median_ms", "step_time_spread"):
+    for k in ("throughput", "latency", "FLOPS_per_gpu", "peak_memory_bytes", "step_time_median_ms", "step_time_spread",
+              "interval_rel", "disturbed", "cpu_wait_share", "warmup_steps", "measured_steps", "measure_seconds", "threads_per_rank"):
         if k in result.metrics:
             print(f"{k}: {result.metrics[k]}")
     if result.reason:
