@@ -2,8 +2,9 @@
 
     python benchmarks/noise.py [--repeats 5] [--busy] [--stage 1] [--mbs 8] [--json OUT]
 
-Measures one configuration of the bundled workload (2 CPU ranks, default ZeRO-1, micro-batch 8)
-`--repeats` times through the product's run_experiment, interleaving two measurements:
+Measures one configuration of the bundled workload and config (2 CPU ranks, default ZeRO-1,
+micro-batch 8, torch's Adam) `--repeats` times through the product's run_experiment,
+interleaving two measurements:
   fixed     the window start_profile_step..end_profile_step (3..5) as before, torch's default threads;
   adaptive  conf's measure settings (warm-up, target interval, budget) and cores / ranks threads.
 With --busy, every repeat is measured twice more with a CPU-bound process beside the experiment,
@@ -29,6 +30,7 @@ from mlautotune.session import BUNDLED_CONFIG
 from mlautotune.workloads import GPT_SCRIPT
 
 RANKS = 2
+MASTER_PORT = 39500  # off the default 29500 that sessions on the same machine start from
 CLOSE = 0.05  # a busy repeat within 5% of the quiet median needs no flag
 BUSY_LOOP = "while True:\n    pass\n"
 
@@ -36,9 +38,10 @@ BUSY_LOOP = "while True:\n    pass\n"
 def experiment(method: str, stage: int, mbs: int, steps: int) -> Experiment:
     ds_config = {k: v for k, v in read_json(BUNDLED_CONFIG).items() if k != "autotuning"}
     ds_config.update(train_micro_batch_size_per_gpu=mbs, gradient_accumulation_steps=1, zero_optimization={"stage": stage})
+    ds_config["optimizer"]["params"]["torch_adam"] = True  # torch's Adam: no JIT-built op whose (re)build would enter the wall time
     adaptive = method == "adaptive"
     return Experiment(name=f"{method}_z{stage}_mbs{mbs}", ds_config=ds_config, script=str(GPT_SCRIPT), script_args=["--steps", str(steps)],
-                      resources=Resources(num_gpus=RANKS), params={"stage": stage, "micro_batch": mbs, "gas": 1}, timeout_s=600,
+                      resources=Resources(num_gpus=RANKS, master_port=MASTER_PORT), params={"stage": stage, "micro_batch": mbs, "gas": 1}, timeout_s=600,
                       measure={**asdict(MeasureConf()), "adaptive": adaptive},
                       env=thread_env("cpu", RANKS, []) if adaptive else {})
 
