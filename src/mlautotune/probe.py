@@ -226,9 +226,8 @@ class Probe:
         if self.window is None:
             self.write_rank_record("ended", reason=self.ended_early())
             return
-        self.accelerator.synchronize()
-        first = self.window["first"]
-        mine = {"seconds": time.perf_counter() - self.starts[first - 2], "steps": n - first + 1}
+        first = self.window["first"]  # from the first step after warm-up to the last step's end (not the script's own epilogue)
+        mine = {"seconds": self.ends[-1] - self.starts[first - 2], "steps": n - first + 1}
         ranks = self.gather(mine)
         if self.rank == 0 and self.metrics is not None:
             from mlautotune.files import atomic_write_json
