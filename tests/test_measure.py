@@ -119,6 +119,20 @@ def test_defaults_are_in_conf_and_keep_an_experiment_short():
     assert set(SETTINGS) == set(conf.__dataclass_fields__)
 
 
+@pytest.mark.parametrize("bad", [{"target_interval": 0}, {"budget_s": -1}, {"check_every": 0}, {"confidence": 1.0}])
+def test_measure_settings_out_of_range_are_a_user_error(bad):
+    from omegaconf import OmegaConf
+
+    from mlautotune.config import MLAutotuneConf, validate
+    from mlautotune.errors import UserError
+
+    cfg = OmegaConf.structured(MLAutotuneConf)
+    validate(cfg)
+    cfg.measure = OmegaConf.merge(cfg.measure, bad)
+    with pytest.raises(UserError, match="measure settings are out of range"):
+        validate(cfg)
+
+
 def test_threads_per_cpu_rank_divide_the_cores_unless_the_user_decided():
     cores = measure.usable_cores()
     assert measure.thread_env("cpu", 2, [], environ={}) == {"OMP_NUM_THREADS": str(max(1, cores // 2))}
