@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -21,6 +22,7 @@ from mlautotune import probe
 from mlautotune.config import MeasureConf
 from mlautotune.errors import UserError
 from mlautotune.files import atomic_write_json, atomic_write_text, read_json
+from mlautotune.lifeline import tuner_lifeline
 from mlautotune.scriptargs import set_deepspeed_config, set_flag
 
 STATUSES = ("ok", "oom", "timeout", "failed", "incomplete")
@@ -303,6 +305,7 @@ def run_experiment(exp: Experiment, results_dir: Path) -> Result:
     atomic_write_json(ds_config_path, {k: v for k, v in exp.ds_config.items() if k != "autotuning"})
     args = experiment_args(exp, str(ds_config_path))
     port = reserve_port(exp.resources.master_port)
+    token = uuid.uuid4().hex
     try:
         cmd = launch_command(exp, exp_dir, port, args)
         atomic_write_text(exp_dir / "cmd.txt", shlex.join(cmd) + "\n")
@@ -317,13 +320,15 @@ def run_experiment(exp: Experiment, results_dir: Path) -> Result:
             "start_profile_step": exp.start_profile_step, "end_profile_step": exp.end_profile_step,
             "memory_limit_bytes": exp.memory_limit_bytes, "stop_after_window": exp.stop_after_window,
             "measure": exp.measure, "tuner_pid": os.getpid(), "tuner_pgid": os.getpgrp(),
-            "tuner_create_time": _create_time(), "tuner_host": socket.gethostname(), "launch_time": time.time()})
+            "tuner_create_time": _create_time(), "tuner_host": socket.gethostname(), "launch_time": time.time(),
+            "lifeline": [*tuner_lifeline().address, token]})
         with open(exp_dir / "stdout.log", "w") as out, open(exp_dir / "stderr.log", "w") as err:
             proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True,
                                     env={**os.environ, **exp.env})
             budget = max(0.0, exp.timeout_s - (time.time() - started))
             timed_out, measured = _wait(proc, exp_dir, budget, graceful=bool(exp.resources.hostfile))
     finally:
+        tuner_lifeline().cut(token)  # ranks on other hosts end too
         with _ports_lock:
             _ports_in_use.discard(port)
 
