@@ -177,7 +177,7 @@ def child_payload(params: Dict[str, Any], result: Dict[str, Any], ds_config: Dic
     p.update({f"ds_config.{k}": v for k, v in flatten(ds_config).items()})
     metrics_src = result.get("metrics", {})
     keys = ("throughput", "latency", "FLOPS_per_gpu", "peak_memory_bytes", "step_time_median_ms", "step_time_min_ms", "step_time_max_ms", "step_time_spread",
-            "interval_rel", "warmup_steps", "measured_steps", "measure_seconds", "disturbed", "threads_per_rank", "end_to_end_throughput")
+            "interval_rel", "warmup_steps", "measured_steps", "measure_seconds", "disturbed", "cpu_wait_share", "threads_per_rank", "end_to_end_throughput")
     metrics = {k: metrics_src[k] for k in keys if isinstance(metrics_src.get(k), (int, float))}
     metrics["wall_time_s"] = result.get("wall_time_s", 0.0)
     tags = {"status": result["status"], "experiment": result["name"]}
