@@ -15,6 +15,7 @@ import pytest
 
 from mlautotune import measure
 from mlautotune.config import MeasureConf
+from mlautotune.experiment import run_experiment
 from mlautotune.probe import Probe
 
 SETTINGS = {"target_interval": 0.02, "budget_s": 3.0, "max_warmup_steps": 10, "warmup_tolerance": 0.1, "confidence": 0.95,
@@ -184,8 +185,6 @@ def timed_experiment(tiny_experiment, sleep, jitter, steps, **measure_settings):
 def test_noisy_steps_grow_the_window_until_the_budget(tiny_experiment, tmp_path, leftovers):
     # Steps of 20-120 ms, uniformly: the median is known to +-2% only after hundreds of steps.
     exp = timed_experiment(tiny_experiment, 0.02, 0.1, 500, budget_s=3.0)
-    from mlautotune.experiment import run_experiment
-
     result = run_experiment(exp, tmp_path)
     assert result.status == "ok", result.reason
     m = result.metrics
@@ -204,8 +203,6 @@ def test_noisy_steps_grow_the_window_until_the_budget(tiny_experiment, tmp_path,
 def test_quiet_steps_stop_before_the_budget_within_the_target(tiny_experiment, tmp_path, leftovers):
     # Steps of ~100 ms, nearly all of it a sleep: quiet unless the machine is very busy (then the window is rightly disturbed).
     exp = timed_experiment(tiny_experiment, 0.1, 0.0, 500, budget_s=20.0, max_cpu_wait=1.0)
-    from mlautotune.experiment import run_experiment
-
     result = run_experiment(exp, tmp_path)
     assert result.status == "ok", result.reason
     m = result.metrics
