@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,15 @@ def test_needed_follows_the_optimizer_and_its_offload():
 def test_a_fresh_extension_cache_has_everything_unbuilt(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     assert ops.unbuilt(["ShareMemCommBuilder", "FusedAdamBuilder", "NoSuchBuilder"]) == ["ShareMemCommBuilder", "FusedAdamBuilder"]
+
+
+def test_a_lock_left_by_a_killed_build_is_found_once_it_is_old(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = Path(_get_build_directory("deepspeed_shm_comm", verbose=False)) / "lock"
+    lock.touch()
+    assert ops.stale_locks(["ShareMemCommBuilder"]) == []  # a build may be running right now
+    os.utime(lock, (time.time() - 3600, time.time() - 3600))
+    assert ops.stale_locks(["ShareMemCommBuilder"]) == [str(lock)]
 
 
 @pytest.mark.e2e

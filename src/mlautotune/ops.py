@@ -22,7 +22,8 @@ OPTIMIZER_OPS = {
     "lion": ("FusedLionBuilder", "CPULionBuilder"),
     "adagrad": (None, "CPUAdagradBuilder"),
 }
-COMM_OP = "ShareMemCommBuilder"  # loaded by deepspeed.comm's torch backend at init (CPU accelerator)
+COMM_OP = "ShareMemCommBuilder"
+STALE_LOCK_S = 1800.0  # loaded by deepspeed.comm's torch backend at init (CPU accelerator)
 
 
 def needed(ds_config: Optional[Dict[str, Any]]) -> List[str]:
@@ -62,6 +63,28 @@ def unbuilt(names: List[str]) -> List[str]:
     return missing
 
 
+def stale_locks(names: List[str], older_than_s: float = STALE_LOCK_S) -> List[str]:
+    """Build locks left by a build that was killed: torch waits on such a lock forever, so every
+    experiment would hang at start-up. A build takes minutes; a lock this old belongs to no one."""
+    import os
+    import time
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    found = []
+    for name in names:
+        builder = _builder(name)
+        if builder is None:
+            continue
+        lock = os.path.join(_get_build_directory(builder.name, verbose=False), "lock")
+        try:
+            if time.time() - os.path.getmtime(lock) > older_than_s:
+                found.append(lock)
+        except OSError:
+            pass
+    return found
+
+
 def _listdir(path: str) -> List[str]:
     import os
 
@@ -82,6 +105,11 @@ def ensure_built(ds_config: Optional[Dict[str, Any]], say) -> float:
     A build that fails is reported and left to the experiments (which then fail with DeepSpeed's own error)."""
     import time
 
+    import os
+
+    for lock in stale_locks(needed(ds_config)):
+        say(f"mlautotune: removing {lock}, left by a DeepSpeed op build that was killed (it would make every experiment wait forever)")
+        os.unlink(lock)
     missing = unbuilt(needed(ds_config))
     if not missing:
         return 0.0
