@@ -20,8 +20,9 @@ as a file; DeepSpeed's autotuner passes base64 JSON there), for both tools:
 What DeepSpeed's autotuner needs on CPU, all provided here: one rank (`--num_gpus 1`), MLFLOW_RUN_ID
 set when mlflow is installed (defect 1; a run is created in a file store under --out), the
 `tabulate` package (pip install tabulate), `deepspeed` on PATH (it launches each experiment with
-it). pdsh is only called for experiments still running at cleanup, which does not happen with one
-experiment at a time.
+it), a free --master_port range (it uses --master_port + experiment id; 29500 may be taken). Without
+pdsh, its cleanup after each experiment prints a FileNotFoundError traceback from the experiment's
+thread (defect 2); the experiment has finished by then, so tuning goes on.
 
 Reported per workload and tool: experiments launched (DeepSpeed's model-info run included;
 mlautotune's re-measurements included), tuning wall time, the pick, and the pick's throughput
@@ -32,8 +33,10 @@ times, alternating the two picks), median and spread. Writes --out/versus.json.
 import argparse
 import json
 import os
+import random
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -110,11 +113,25 @@ def mlflow_run(out: Path) -> Dict[str, str]:
     return {"MLFLOW_TRACKING_URI": uri, "MLFLOW_RUN_ID": run.info.run_id}
 
 
+def free_port_range(n: int = 64) -> int:
+    """A base port with n free ports after it: DeepSpeed's autotuner uses --master_port + experiment id."""
+    for _ in range(200):
+        base = random.randrange(30000, 60000 - n)
+        try:
+            for port in range(base, base + n):
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free port range")
+
+
 def run_deepspeed(work: Path, args: List[str], cap: int, timeout: float) -> Dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     (work / "ds.json").write_text(json.dumps(ds_config(cap), indent=1))
     env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}", **mlflow_run(work)}
-    cmd = [str(VENV_BIN / "deepspeed"), "--autotuning", "tune", "--num_gpus", "1", str(SCRIPT), "--deepspeed_config", "ds.json", *args]
+    cmd = [str(VENV_BIN / "deepspeed"), "--autotuning", "tune", "--num_gpus", "1", "--master_port", str(free_port_range()), str(SCRIPT), "--deepspeed_config", "ds.json", *args]
     out = run_tool(cmd, work, env, timeout)
     results = work / "autotuning_results"
     return {**out, "experiments": len(experiments_in(results)), "pick": pick(results)}
