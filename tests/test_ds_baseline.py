@@ -8,7 +8,6 @@ import random
 import sys
 from pathlib import Path
 
-import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import ds_baseline  # noqa: E402
@@ -153,7 +152,6 @@ def test_rule6_the_trial_budget_is_per_stage():
 
 
 def test_rule6_early_stopping_counts_from_the_best_iteration():
-    exps = [{"stage": 1, "micro_batch": 1, "gas": 1, "x": i} for i in range(20)]
     t = DeepSpeedAutotuner(lambda p: ("ok", {"throughput": 100.0 - p["x"]}, 1.0), landscape(fast=False, knobs={1: {"x": list(range(20))}}),
                            tuner_type="gridsearch", early_stopping=5)
     t.rng.shuffle = lambda xs: xs.sort(key=lambda s: __import__("json").loads(s)["x"])  # keep 0..19 in order

@@ -11,7 +11,6 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
-import ds_baseline  # noqa: E402
 import gpu_model  # noqa: E402
 import replay  # noqa: E402
 import tables  # noqa: E402
