@@ -84,6 +84,10 @@ def run_tool(cmd: List[str], cwd: Path, env: Dict[str, str], timeout: float) -> 
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             code, timed_out = proc.returncode, True
+            locks = sorted(Path.home().glob(".cache/torch_extensions/*/*/lock"))
+            if locks:  # a rank killed while JIT-building an op leaves torch's lock behind, and every later build waits on it
+                print(f"warning: torch extension locks exist after ending {cmd[0]}: {', '.join(map(str, locks))}; "
+                      "if no build is running, remove them, or the next experiments wait for ever", file=sys.stderr)
     return {"cmd": cmd, "returncode": code, "timed_out": timed_out, "wall_s": time.time() - t0}
 
 
