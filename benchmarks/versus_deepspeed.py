@@ -162,7 +162,7 @@ def remeasure(picks: Dict[str, Dict[str, Any]], args: List[str], work: Path, win
     for i in range(repeats):
         for tool, config in picks.items():
             exp = Experiment(name=f"{tool}_pick_{i}", ds_config=config, script=str(SCRIPT), script_args=[*args, "--steps", str(window + 10)],
-                             resources=Resources(num_gpus=1), params={}, arg_mappings=ARG_MAPPINGS, start_profile_step=5,
+                             resources=Resources(num_gpus=1, master_port=free_port_range()), params={}, arg_mappings=ARG_MAPPINGS, start_profile_step=5,
                              end_profile_step=5 + window, timeout_s=1800)
             result = run_experiment(exp, work)
             if result.status == "ok":
