@@ -83,6 +83,8 @@ def main(argv=None) -> None:
         argv = [f"command={argv[0]}", *argv[1:]]
     elif argv and not argv[0].startswith("-") and "=" not in argv[0]:
         fail(UserError(f"{argv[0]!r} is not a command.", f"Use one of {', '.join(COMMANDS)}, or key=value settings only (tune is the default); see mlautotune --help."))
+    # search.sampler is an open dict (the sampler's _target_ and arguments): let its keys be added.
+    argv = [f"++{a}" if a.startswith(("search.sampler=", "search.sampler.")) else a for a in argv]
     register_configs()
     # A tracking server that is down must cost seconds, not the minutes of MLflow's default retries.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
