@@ -144,13 +144,20 @@ def prepare(tmp_path: Path, ds, extra):
 
 def run_in_process(tmp_path: Path, argv) -> tuple:
     """(exit status, stderr) of `mlautotune <argv>` run in this process, in tmp_path."""
-    from mlautotune.cli import main
+    code, _, err = run_cli(tmp_path, argv)
+    return code, err
 
-    err, here = io.StringIO(), os.getcwd()
+
+def run_cli(tmp_path: Path, argv, main=None) -> tuple:
+    """(exit status, stdout, stderr) of `main(argv)` (default: `mlautotune`'s) run in this process, in tmp_path."""
+    if main is None:
+        from mlautotune.cli import main
+
+    out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
     os.chdir(tmp_path)
     code = 0
     try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
             try:
                 main(list(argv))
             except SystemExit as e:
@@ -162,7 +169,7 @@ def run_in_process(tmp_path: Path, argv) -> tuple:
                 code = 1
     finally:
         os.chdir(here)
-    return code, err.getvalue()
+    return code, out.getvalue(), err.getvalue()
 
 
 def error_lines(stderr: str) -> list:

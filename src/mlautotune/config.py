@@ -230,11 +230,11 @@ def settings(cfg: DictConfig, ds_config: dict, cli_overrides: list) -> DictConfi
         if key not in known:
             raise UserError(f"The ds_config's autotuning section has an unknown key {key!r}.", f"Known keys: {', '.join(sorted(known))}.")
     final = cfg.copy()
-    mappings = section.pop("arg_mappings", None)
+    free_form = {k: section.pop(k) for k in ("arg_mappings", "model_info") if section.get(k) is not None}  # dicts of any keys
     try:
         final.autotuning = OmegaConf.merge(final.autotuning, section)
-        if mappings is not None:
-            final.autotuning.arg_mappings = mappings
+        for k, v in free_form.items():
+            final.autotuning[k] = v
     except OmegaConfBaseException as e:
         raise UserError(f"The ds_config's autotuning section has a value of the wrong type: {str(e).splitlines()[0]}.", "Use the types of the documented defaults (numbers, true/false, strings).")
     keys = [o.key_or_group for o in OverridesParser.create().parse_overrides(list(cli_overrides))]
