@@ -76,7 +76,7 @@ CASES = [
     ("negative experiment_timeout", {"autotuning": {"enabled": True, "experiment_timeout": -5}}, [], "not a positive number of seconds"),
     ("tuner_num_trials 0", {"autotuning": {"enabled": True, "tuner_num_trials": 0}}, [], "tuner_num_trials=0 must be at least 1"),
     ("mp_size=0", {"autotuning": OK_AT}, ["autotuning.mp_size=0"], "mp_size=0 must be at least 1"),
-    ("mp_size larger than the world", {"autotuning": {"enabled": True, "mp_size": 4}}, ["launcher.num_gpus=2"], "does not divide the 2 ranks"),
+    ("mp_size larger than the world", {"autotuning": {"enabled": True, "mp_size": 4}}, ["launcher.num_gpus=2"], "is larger than the 2 ranks"),
     ("mp_size that does not divide the world", {"autotuning": {"enabled": True, "mp_size": 3}}, ["launcher.hostfile=@HOSTS4@", "launcher.num_gpus=4"], "does not divide the 4 ranks"),
     ("num_nodes=0", {"autotuning": OK_AT}, ["launcher.num_nodes=0"], "num_nodes=0 must be at least 1"),
     ("num_gpus=0", {"autotuning": OK_AT}, ["launcher.num_gpus=0"], "num_gpus=0 must be at least 1"),

@@ -169,7 +169,7 @@ def is_hf_trainer(script: Path, script_args: List[str]) -> bool:
 
 def _check_mp_size(mp: int, ws: int) -> None:
     if mp > ws or ws % mp:
-        raise UserError(f"autotuning.mp_size={mp} does not divide the {ws} ranks of this launch.", f"Use an mp_size that divides {ws} (1 without model parallelism), or launch more ranks (launcher.num_gpus/num_nodes).")
+        raise UserError(f"autotuning.mp_size={mp} " + (f"is larger than the {ws} ranks of this launch." if mp > ws else f"does not divide the {ws} ranks of this launch."), f"Use an mp_size that divides {ws} (1 without model parallelism), or launch more ranks (launcher.num_gpus/num_nodes).")
 
 
 def _check_storage(storage: str) -> None:
