@@ -1,6 +1,7 @@
 """The command line: `mlautotune [tune|plan|experiment|sync] key=value ...` (a Hydra application)."""
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -66,6 +67,12 @@ def app(cfg: DictConfig) -> None:
             raise
         print(f"mlautotune: {e}", file=sys.stderr)
         sys.exit(1)
+
+
+def hydra_quote(text: str) -> str:
+    """A Hydra override value that is exactly `text` (a single-quoted string, quotes and backslashes escaped)."""
+    # Hydra: inside quotes, only backslashes before a quote (or before the closing quote) are escapes.
+    return "'" + re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\'" if m.group(2) else ""), text) + "'"
 
 
 def fail(e: UserError) -> None:

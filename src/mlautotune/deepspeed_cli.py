@@ -9,11 +9,12 @@ DeepSpeed's own parser (deepspeed.launcher.runner.parse_args); the ds_config is 
 `mlautotune config=ds.json script=train.py script_args='...' launcher.num_gpus=8`.
 """
 
-import re
 import shlex
 import sys
 from typing import List, Optional
 
+from mlautotune.cli import fail, hydra_quote
+from mlautotune.cli import main as mlautotune_main
 from mlautotune.errors import UserError
 from mlautotune.scriptargs import DEEPSPEED_CONFIG_FLAGS, get_flag
 
@@ -21,12 +22,6 @@ from mlautotune.scriptargs import DEEPSPEED_CONFIG_FLAGS, get_flag
 SWITCHES = ("no_ssh", "no_ssh_check", "force_multi", "bind_cores_to_rank", "save_pid")
 VALUED = ("master_addr", "node_rank", "bind_core_list", "ssh_port", "launcher_args", "enable_each_rank_log", "venv_script", "log_level")
 UNSUPPORTED = ("module", "no_python", "no_local_rank")  # mlautotune launches the script through its probe module
-
-
-def hydra_quote(text: str) -> str:
-    """A Hydra override value that is exactly `text` (a single-quoted string, quotes and backslashes escaped)."""
-    # Hydra: inside quotes, only backslashes before a quote (or before the closing quote) are escapes.
-    return "'" + re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\'" if m.group(2) else ""), text) + "'"
 
 
 def overrides(argv: List[str]) -> List[str]:
@@ -61,8 +56,6 @@ def overrides(argv: List[str]) -> List[str]:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    from mlautotune.cli import fail, main as mlautotune_main
-
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         translated = overrides(argv)

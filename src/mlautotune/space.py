@@ -64,7 +64,10 @@ def build_plan(ds_config: Dict[str, Any], at: Any, space: Any, script_args: List
     notices = [f"autotuning.{k} is accepted but not used: {why}." for k, why in UNUSED_KEYS.items() if at.get(k) is not None]
     mappings = {k.strip(): v.strip() for k, v in dict(at.arg_mappings or {}).items()}
     if hf_trainer or any(ds_config.get(k) == "auto" for k in BATCH_KEYS):
+        added = {k: v for k, v in HF_MAPPINGS.items() if k not in mappings}
         mappings = {**HF_MAPPINGS, **mappings}  # the Trainer's (and the bundled workload's) own flags
+        if added and not hf_trainer:
+            notices.append("the ds_config uses \"auto\": " + ", ".join(f"{k} is passed as {v}" for k, v in added.items()) + " (the HF Trainer's flags); set autotuning.arg_mappings if the script uses other flags.")
     zero = ds_config.get("zero_optimization")
     zero = dict(zero) if isinstance(zero, dict) else {}
     stages = _stages(ds_config, zero, notices)
