@@ -221,3 +221,26 @@ def test_hf_trainer_script_tunes_with_auto_and_no_arg_mappings_and_its_optimal_c
     run = subprocess.run(shlex.split(cmd), cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "train_runtime" in run.stdout + run.stderr
+
+
+def test_cmd_optimal_is_the_experiment_command_with_arg_mappings_at_any_depth(tmp_path):
+    """One builder: cmd_optimal maps nested keys (like DeepSpeed's get_val_by_key) exactly as the experiment did."""
+    from mlautotune.commands import optimal_cmd
+    from mlautotune.experiment import plain_command
+    from mlautotune.session import open_session
+
+    ds = {"zero_optimization": {"stage": [1, 2]}, "train_micro_batch_size_per_gpu": 2,
+          "autotuning": {"enabled": True, "arg_mappings": {"stage": "--zero_stage", "train_micro_batch_size_per_gpu": "--per_device_train_batch_size"}}}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"config={tmp_path / 'ds.json'}", "launcher.num_gpus=2", f"autotuning.results_dir={tmp_path / 'r'}"])
+    session = open_session(cfg, dry_run=True)
+    params = first_experiments(session.plan, session.world_size)[1]
+    exp = session.make_experiment(params)
+    optimal_path = str(session.results_dir / "ds_config_optimal.json")
+    cmd = optimal_cmd(session, params, exp.ds_config)
+    assert cmd == shlex.join(plain_command(exp, optimal_path))
+    args = shlex.split(cmd)
+    assert args[args.index("--zero_stage") + 1] == "1" and args[args.index("--per_device_train_batch_size") + 1] == "8"
+    assert args[args.index("--deepspeed_config") + 1] == optimal_path and args[:3] == ["deepspeed", "--num_gpus", "2"]
