@@ -287,10 +287,6 @@ class Tuner:
             self._observe_memory(m)
         self._notify("profiled", self.memory, points)
 
-    def _within_batch_cap(self, mbs: int) -> bool:
-        cap = self.micro_batch_cap()
-        return cap is None or mbs <= cap
-
     def micro_batch_cap(self) -> Optional[int]:
         return micro_batch_cap(self.plan, self.s.world_size)
 
@@ -594,7 +590,7 @@ def in_space_of(params: Dict[str, Any], space: Dict[str, List[Any]]) -> bool:
     return set(params) == set(space) and all(params[k] in space[k] for k in space)
 
 
-def micro_batch_cap(plan: TuningPlan, world_size: int) -> Optional[int]:
+def micro_batch_cap(plan: TuningPlan, world_size: int) -> int:
     """The largest micro-batch allowed: max_train_micro_batch_size_per_gpu, and max_train_batch_size if it is set."""
     cap = plan.micro_batch_max
     if plan.max_train_batch_size:
