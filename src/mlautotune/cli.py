@@ -47,7 +47,10 @@ more:
 """
 
 
-@hydra.main(version_base="1.3", config_path=str(Path(__file__).parent / "conf"), config_name="config")
+CONF_DIR = Path(__file__).parent / "conf"
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def app(cfg: DictConfig) -> None:
     try:
         validate_command(cfg.command)
@@ -99,5 +102,26 @@ def main(argv=None) -> None:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if not {"-m", "--multirun"} & set(argv):
+        check_overrides(argv)
     sys.argv = [sys.argv[0], *argv]
     app()
+
+
+def check_overrides(argv) -> None:
+    """Compose the config once with the key=value overrides, so that one Hydra refuses (a misspelt key,
+    a value of the wrong type) gets one paragraph and exit status 2, like every other bad input."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    overrides = [a for a in argv if "=" in a and not a.startswith("-") and not a.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            compose(config_name="config", overrides=overrides)
+    except HydraException as e:
+        text = str(e) + (f": {e.__cause__}" if e.__cause__ else "")
+        lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith(("full_key", "object_type", "reference_type", "To append"))]
+        unknown = re.match(r"Could not override '([^']+)'\.?$", lines[0]) if len(lines) == 1 else None
+        if unknown:
+            lines = [f"'{unknown.group(1)}' is not a setting of mlautotune (a misspelt key?)"]
+        fail(UserError(" ".join(lines).rstrip(".") + ".", "Check the key against `mlautotune --cfg job` (every key with its type), and the value's type."))
