@@ -25,6 +25,8 @@ from mlautotune.workloads import GPT_SCRIPT
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "src" / "mlautotune" / "conf"
 HF_SCRIPT = Path(__file__).parent / "scripts" / "hf_trainer_gpt2.py"
+# Other sessions on the machine start their experiments' ports at 29500 too; a port of our own avoids the race.
+PORT = str(30000 + os.getpid() % 20000)
 SRC_ENV = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
@@ -192,7 +194,7 @@ def test_deepspeed_style_command_tunes_a_config_with_every_deepspeed_autotuning_
     (tmp_path / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
                                                   "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "autotuning": section}))
     env = {**SRC_ENV, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
-    proc = subprocess.run([sys.executable, "-m", "mlautotune.deepspeed_cli", "--num_gpus", "2", str(GPT_SCRIPT), "--deepspeed", "ds.json", *TINY_MODEL],
+    proc = subprocess.run([sys.executable, "-m", "mlautotune.deepspeed_cli", "--num_gpus", "2", "--master_port", PORT, str(GPT_SCRIPT), "--deepspeed", "ds.json", *TINY_MODEL],
                           cwd=tmp_path, capture_output=True, text=True, env=env, timeout=1400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = tmp_path / "autotuning_results"
@@ -210,7 +212,7 @@ def test_hf_trainer_script_tunes_with_auto_and_no_arg_mappings_and_its_optimal_c
     (tmp_path / "ds.json").write_text(json.dumps(ds, indent=2))
     script_args = "--deepspeed ds.json --output_dir out --max_steps 12 --report_to none --save_strategy no --logging_steps 100"
     proc = subprocess.run([sys.executable, "-m", "mlautotune", "config=ds.json", f"script={HF_SCRIPT}", f"script_args='{script_args}'",
-                           "launcher.num_gpus=2", "tracking.enabled=false", "search.remeasure=0"],
+                           "launcher.num_gpus=2", f"launcher.master_port={PORT}", "tracking.enabled=false", "search.remeasure=0"],
                           cwd=tmp_path, capture_output=True, text=True, env=SRC_ENV, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = tmp_path / "autotuning_results"
