@@ -240,7 +240,7 @@ def test_cmd_optimal_is_the_experiment_command_with_arg_mappings_at_any_depth(tm
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     register_configs()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[f"config={tmp_path / 'ds.json'}", "launcher.num_gpus=2", f"autotuning.results_dir={tmp_path / 'r'}"])
+        cfg = compose(config_name="config", overrides=[f"config={tmp_path / 'ds.json'}", "launcher.num_gpus=2", "launcher.master_port=29777", f"autotuning.results_dir={tmp_path / 'r'}"])
     session = open_session(cfg, dry_run=True)
     params = first_experiments(session.plan, session.world_size)[1]
     exp = session.make_experiment(params)
@@ -250,3 +250,4 @@ def test_cmd_optimal_is_the_experiment_command_with_arg_mappings_at_any_depth(tm
     args = shlex.split(cmd)
     assert args[args.index("--zero_stage") + 1] == "1" and args[args.index("--per_device_train_batch_size") + 1] == "8"
     assert args[args.index("--deepspeed_config") + 1] == optimal_path and args[:3] == ["deepspeed", "--num_gpus", "2"]
+    assert args[args.index("--master_port") + 1] == "29777"  # the user's port; experiments take free ports from it

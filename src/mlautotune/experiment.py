@@ -164,8 +164,9 @@ def launch_command(exp: Experiment, exp_dir: Path, port: int, args: List[str], p
         if value not in (None, ""):
             cmd += [flag, str(value)]
     cmd += list(r.launcher_args)  # further DeepSpeed launcher flags, e.g. --no_ssh, --bind_cores_to_rank
-    if not probed:
-        return cmd + [exp.script, *args]
+    if not probed:  # the user's own port, if they chose one (experiments take free ports from it)
+        port_flag = ["--master_port", str(r.master_port)] if r.master_port != Resources.master_port else []
+        return cmd + port_flag + [exp.script, *args]
     return cmd + ["--master_port", str(port), "--module", "mlautotune.probe", str(exp_dir), exp.script, *args]
 
 
