@@ -1,11 +1,15 @@
 """Every user mistake: a one-paragraph message naming the problem and the fix, exit status 2, no
-traceback, and nothing written that looks like a result. Runs the real command line (`plan`, which
-validates everything a tuning session does and launches nothing).
+traceback, and nothing written. Runs the real command line (`plan`, which validates everything a
+tuning session does and launches nothing), in this process: `mlautotune.cli.main` with the
+arguments, as the console script calls it. One test also runs a few through a real subprocess.
 
 docs/bad-inputs.md is this table: `python tests/test_bad_inputs.py > docs/bad-inputs.md` rewrites it.
 """
 
+import contextlib
+import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +31,6 @@ CASES = [
     ("stage outside 0-3", {"zero_optimization": {"stage": 4}, "autotuning": OK_AT}, [], "is not a ZeRO stage"),
     ("micro-batch not a positive integer", {"train_micro_batch_size_per_gpu": [2, -1], "autotuning": OK_AT}, [], "not a positive integer"),
     ("end_profile_step < start_profile_step", {"autotuning": {"enabled": True, "start_profile_step": 5, "end_profile_step": 3}}, [], "smaller than start_profile_step"),
-    ('"auto" with no mapping and no flag', {"train_micro_batch_size_per_gpu": "auto", "autotuning": OK_AT}, [], "does not map it to a flag"),
     ("arg_mappings flag without --", {"autotuning": {"enabled": True, "arg_mappings": {"train_micro_batch_size_per_gpu": "per_device_train_batch_size"}}}, [], "not a command-line flag"),
     ("gradient accumulation list", {"gradient_accumulation_steps": [1, 2], "autotuning": OK_AT}, [], "not supported"),
     ("max_train_batch_size below the smallest batch", {"train_micro_batch_size_per_gpu": 4, "autotuning": {"enabled": True, "max_train_batch_size": 2}}, ["launcher.num_gpus=2"], "smaller than the smallest possible batch"),
@@ -41,45 +44,194 @@ CASES = [
     ("tracking URI that cannot be parsed", {"autotuning": OK_AT}, ["tracking.tracking_uri=bogus-scheme://x"], "cannot be used"),
     ("memory limit that is not a size", {"autotuning": {"enabled": True, "memory_limit_per_rank": "lots"}}, [], "is not a size"),
     ("script_args with an open quote", {"autotuning": OK_AT}, ["script_args='--name \"x'"], "cannot be split"),
+    # ---- issue 13: decoding, size and structure of the file
+    ("UTF-16 ds_config (with BOM)", b"\xff\xfe" + '{"autotuning": {"enabled": true}}'.encode("utf-16-le"), [], "UTF-16"),
+    ("UTF-32 ds_config (with BOM)", b"\xff\xfe\x00\x00" + '{"autotuning": {"enabled": true}}'.encode("utf-32-le"), [], "UTF-32"),
+    ("UTF-16 ds_config without BOM", '{"autotuning": {"enabled": true}}'.encode("utf-16-le"), [], "binary file"),
+    ("binary file as ds_config", bytes(range(256)) * 4, [], "binary file"),
+    ("Latin-1 ds_config", '{"autotuning": {"enabled": true}, "note": "caf\u00e9"}'.encode("latin-1"), [], "not UTF-8 text"),
+    ("huge file as ds_config", "@HUGE@", [], "a ds_config is a few KiB"),
+    ("nesting deep enough for a RecursionError", "[" * 200000 + "]" * 200000, [], "nested too deeply"),
+    ("nesting deeper than 32 levels", '{"autotuning": {"enabled": true}, "x": ' + "[" * 40 + "]" * 40 + "}", [], "more than 32 levels"),
+    ("empty file", "", [], "is empty"),
+    ("file of blanks", "  \n\n ", [], "is empty"),
+    ("config is a directory", "@DIR@", [], "is a directory"),
+    ("config is a symlink loop", "@LOOP@", [], "loops back on itself"),
+    ("config= given empty", {"autotuning": OK_AT}, ["config="], "config= is given but empty"),
+    ("script= given empty", {"autotuning": OK_AT}, ["script="], "script= is given but empty"),
+    ("script is a directory", {"autotuning": OK_AT}, ["script=@TMP@"], "is a directory"),
+    ("duplicate autotuning section", '{"autotuning": {"enabled": true}, "autotuning": {"enabled": true, "fast": false}}', [], "'autotuning' twice"),
+    ("duplicate key inside autotuning", '{"autotuning": {"enabled": true, "tuner_num_trials": 5, "tuner_num_trials": 9}}', [], "'tuner_num_trials' twice"),
+    ("duplicate key differing by whitespace", '{"gradient_accumulation_steps": 1, "gradient_accumulation_steps ": 2, "autotuning": {"enabled": true}}', [], "twice"),
+    ("autotuning is not an object", {"autotuning": [True]}, [], "not an object"),
+    ('"enabled": "true" (a string)', {"autotuning": {"enabled": "true"}}, [], "the string 'true', not the JSON boolean"),
+    ('"enabled": 1', {"autotuning": {"enabled": 1}}, [], '("enabled": 1)'),
+    # ---- numbers out of range
+    ("1e999 as a number", '{"autotuning": {"enabled": true, "tuner_num_trials": 1e999}}', [], "too large for a float"),
+    ("-1e999 as a number", '{"zero_optimization": {"reduce_bucket_size": -1e999}, "autotuning": {"enabled": true}}', [], "too large for a float"),
+    ('"1e400" as a memory size', {"autotuning": {"enabled": True, "memory_limit_per_rank": "1e400"}}, [], "larger than any machine's memory"),
+    ('memory_limit_per_rank "0"', {"autotuning": {"enabled": True, "memory_limit_per_rank": "0"}}, [], "less than 1 MiB"),
+    ("experiment_timeout=nan", {"autotuning": OK_AT}, ["autotuning.experiment_timeout=nan"], "not a positive number of seconds"),
+    ("experiment_timeout=inf", {"autotuning": OK_AT}, ["autotuning.experiment_timeout=inf"], "not a positive number of seconds"),
+    ("negative experiment_timeout", {"autotuning": {"enabled": True, "experiment_timeout": -5}}, [], "not a positive number of seconds"),
+    ("tuner_num_trials 0", {"autotuning": {"enabled": True, "tuner_num_trials": 0}}, [], "tuner_num_trials=0 must be at least 1"),
+    ("mp_size=0", {"autotuning": OK_AT}, ["autotuning.mp_size=0"], "mp_size=0 must be at least 1"),
+    ("mp_size larger than the world", {"autotuning": {"enabled": True, "mp_size": 4}}, ["launcher.num_gpus=2"], "is larger than the 2 ranks"),
+    ("mp_size that does not divide the world", {"autotuning": {"enabled": True, "mp_size": 3}}, ["launcher.hostfile=@HOSTS4@", "launcher.num_gpus=4"], "does not divide the 4 ranks"),
+    ("num_nodes=0", {"autotuning": OK_AT}, ["launcher.num_nodes=0"], "num_nodes=0 must be at least 1"),
+    ("num_gpus=0", {"autotuning": OK_AT}, ["launcher.num_gpus=0"], "num_gpus=0 must be at least 1"),
+    ("master_port=70000", {"autotuning": OK_AT}, ["launcher.master_port=70000"], "is not a TCP port"),
+    ("master_port=0", {"autotuning": OK_AT}, ["launcher.master_port=0"], "is not a TCP port"),
+    ("max_train_batch_size 0", {"autotuning": {"enabled": True, "max_train_batch_size": 0}}, [], "max_train_batch_size=0 must be at least 1"),
+    ("min micro-batch above max", {"autotuning": {"enabled": True, "min_train_micro_batch_size_per_gpu": 64, "max_train_micro_batch_size_per_gpu": 8}}, [], "larger than max_train_micro_batch_size_per_gpu"),
+    ("micro-batch above max_train_micro_batch_size_per_gpu", {"train_micro_batch_size_per_gpu": 32, "autotuning": {"enabled": True, "max_train_micro_batch_size_per_gpu": 16}}, [], "above autotuning.max_train_micro_batch_size_per_gpu=16"),
+    ("micro-batch list outside the bounds", {"train_micro_batch_size_per_gpu": [64, 128], "autotuning": {"enabled": True, "max_train_micro_batch_size_per_gpu": 32}}, [], "None of the micro-batch sizes [64, 128]"),
+    ("min_train_batch_size beyond the largest micro-batch", {"autotuning": {"enabled": True, "min_train_batch_size": 4096, "max_train_micro_batch_size_per_gpu": 64}}, ["launcher.num_gpus=2"], "No micro-batch size fits"),
+    ("search.remeasure=-1", {"autotuning": OK_AT}, ["search.remeasure=-1"], "must be 0 or more"),
+    ("empty results_dir", {"autotuning": {"enabled": True, "results_dir": ""}}, [], "results_dir or exps_dir is empty"),
+    # ---- flags, stages, knobs
+    ("arg_mappings flag with a space", {"autotuning": {"enabled": True, "arg_mappings": {"train_micro_batch_size_per_gpu": "--per device"}}}, [], "not a single command-line flag"),
+    ("arg_mappings flag with ;", {"autotuning": {"enabled": True, "arg_mappings": {"train_micro_batch_size_per_gpu": "--bs;rm -rf x"}}}, [], "not a single command-line flag"),
+    ('"stage": []', {"zero_optimization": {"stage": []}, "autotuning": OK_AT}, [], "stage is an empty list"),
+    ('"stage": "2"', {"zero_optimization": {"stage": "2"}, "autotuning": OK_AT}, [], "is not a ZeRO stage"),
+    ("empty knob list", {"zero_optimization": {"stage": 1, "reduce_bucket_size": []}, "autotuning": OK_AT}, [], "reduce_bucket_size is an empty list"),
+    ("misspelt ZeRO knob", {"zero_optimization": {"stage": 2, "reduce_bucket_sise": 5e8}, "autotuning": OK_AT}, [], "reduce_bucket_sise is not a DeepSpeed ZeRO setting"),
+    ("misspelt ZeRO knob in a list", {"zero_optimization": {"stage": 2, "overlap_com": [True, False]}, "autotuning": OK_AT}, [], "overlap_com is not a DeepSpeed ZeRO setting"),
+    ("misspelt key in an offload section", {"zero_optimization": {"stage": 2, "offload_optimizer": {"devise": "cpu"}}, "autotuning": OK_AT}, [], "offload_optimizer.devise is not a DeepSpeed ZeRO setting"),
+    ("negative bucket size", {"zero_optimization": {"stage": 1, "reduce_bucket_size": [5e8, -5]}, "autotuning": OK_AT}, [], "refused by DeepSpeed"),
+    ("fractional bucket size", {"zero_optimization": {"stage": 1, "reduce_bucket_size": 5.5}, "autotuning": OK_AT}, [], "refused by DeepSpeed"),
+    ('"auto" knob for a script that is not an HF Trainer', {"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}, "autotuning": OK_AT}, [], "only the Hugging Face Trainer fills in"),
+    # ---- commands, storage, sampler
+    ("command=Plan", {"autotuning": OK_AT}, ["command=Plan"], "command='Plan' is not a command"),
+    ("unknown first word", {"autotuning": OK_AT}, ["@FIRST@Plan"], "'Plan' is not a command"),
+    ("garbage search.storage", {"autotuning": OK_AT}, ["search.storage=garbage"], "not a database URL"),
+    ("unknown storage scheme", {"autotuning": OK_AT}, ["search.storage=nosuchdb://host/db"], "not a database URL"),
+    ("sqlite storage in a missing folder's file", {"autotuning": OK_AT}, ["search.storage=sqlite:///@TXT@/x/optuna.db"], "not a folder"),
+    ("sampler that cannot be imported", {"autotuning": OK_AT}, ["search.sampler={_target_: optuna.samplers.NoSuchSampler}"], "cannot be imported"),
+    ("sampler that is not an Optuna sampler", {"autotuning": OK_AT}, ["search.sampler={_target_: collections.OrderedDict}"], "is not an Optuna sampler"),
+    ("sampler without _target_", {"autotuning": OK_AT}, ["search.sampler={seed: 1}"], "has no _target_"),
+    ("misspelt key on the command line", {"autotuning": OK_AT}, ["autotuning.tuner_typ=random"], "'autotuning.tuner_typ' is not a setting of mlautotune"),
+    ("1e999 on the command line", {"autotuning": OK_AT}, ["autotuning.tuner_num_trials=1e999"], "could not be converted to Integer"),
+    ("a word for a number on the command line", {"autotuning": OK_AT}, ["launcher.num_gpus=two"], "Value 'two' of type 'str' could not be converted to Integer"),
+    ("a sweep without --multirun", {"autotuning": OK_AT}, ["autotuning.metric=throughput,latency"], "Ambiguous value"),
 ]
 
 
-def run_case(tmp_path: Path, ds, extra):
+def prepare(tmp_path: Path, ds, extra):
+    """Write the case's files; return the command-line arguments after `plan`."""
     cfg = tmp_path / "ds.json"
-    if ds is not None:
-        cfg.write_text(ds if isinstance(ds, str) else json.dumps(ds))
     (tmp_path / "notes.txt").write_text("not python")
     (tmp_path / "hosts").write_text("localhost slots=2\n")
+    (tmp_path / "hosts4").write_text("localhost slots=4\n")
     (tmp_path / "badhosts").write_text("localhost slots=two\n")
-    subs = {"@TXT@": str(tmp_path / "notes.txt"), "@HOSTS@": str(tmp_path / "hosts"), "@BADHOSTS@": str(tmp_path / "badhosts")}
+    if ds == "@HUGE@":
+        with open(cfg, "wb") as f:
+            f.truncate(17 * 2**20)  # sparse: big to stat, no time to write
+    elif ds == "@DIR@":
+        cfg.mkdir()
+    elif ds == "@LOOP@":
+        os.symlink(tmp_path / "loop2.json", cfg)
+        os.symlink(cfg, tmp_path / "loop2.json")
+    elif isinstance(ds, bytes):
+        cfg.write_bytes(ds)
+    elif ds is not None:
+        cfg.write_text(ds if isinstance(ds, str) else json.dumps(ds))
+    subs = {"@TXT@": str(tmp_path / "notes.txt"), "@HOSTS4@": str(tmp_path / "hosts4"), "@HOSTS@": str(tmp_path / "hosts"),
+            "@BADHOSTS@": str(tmp_path / "badhosts"), "@TMP@": str(tmp_path)}
     args = [next((a.replace(k, v) for k, v in subs.items() if k in a), a) for a in extra]
-    return subprocess.run([sys.executable, "-m", "mlautotune", "plan", f"config={cfg}", *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    first = [a[len("@FIRST@"):] for a in args if a.startswith("@FIRST@")]
+    args = [a for a in args if not a.startswith("@FIRST@")]
+    if not any(a.startswith("config=") for a in args):
+        args.insert(0, f"config={cfg}")
+    return first + args if first else ["plan", *args]
+
+
+def run_in_process(tmp_path: Path, argv) -> tuple:
+    """(exit status, stderr) of `mlautotune <argv>` run in this process, in tmp_path."""
+    code, _, err = run_cli(tmp_path, argv)
+    return code, err
+
+
+def run_cli(tmp_path: Path, argv, main=None) -> tuple:
+    """(exit status, stdout, stderr) of `main(argv)` (default: `mlautotune`'s) run in this process, in tmp_path."""
+    if main is None:
+        from mlautotune.cli import main
+
+    out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
+    os.chdir(tmp_path)
+    code = 0
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            try:
+                main(list(argv))
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+            except Exception:  # noqa: BLE001 - a crash is what the test looks for
+                import traceback
+
+                traceback.print_exc()
+                code = 1
+    finally:
+        os.chdir(here)
+    return code, out.getvalue(), err.getvalue()
+
+
+def error_lines(stderr: str) -> list:
+    return [line for line in stderr.splitlines() if line.startswith("mlautotune: error:")]
 
 
 @pytest.mark.parametrize("case,ds,extra,fragment", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_gets_a_clear_error(tmp_path, case, ds, extra, fragment):
-    proc = run_case(tmp_path, ds, extra)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr
-    lines = [l for l in proc.stderr.splitlines() if l.startswith("mlautotune: error:")]
-    assert len(lines) == 1, proc.stderr
+    code, stderr = run_in_process(tmp_path, prepare(tmp_path, ds, extra))
+    assert code == 2, stderr
+    assert "Traceback" not in stderr
+    lines = error_lines(stderr)
+    assert len(lines) == 1, stderr
     assert fragment in lines[0]
-    assert not (tmp_path / "autotuning_results" / "ds_config_optimal.json").exists()
+    assert "\n" not in lines[0]
+    leftovers = {p.name for p in tmp_path.iterdir()} - {"ds.json", "notes.txt", "hosts", "hosts4", "badhosts", "loop2.json"}
+    assert not leftovers, f"plan wrote {leftovers}"
+
+
+def test_the_console_script_gives_the_same_answer_in_a_subprocess(tmp_path):
+    """The real process: exit status 2, one paragraph, no traceback (UTF-16, unknown command)."""
+    for ds, extra, fragment in ((b"\xff\xfe" + "{}".encode("utf-16-le"), [], "UTF-16"), ({"autotuning": OK_AT}, ["@FIRST@Plan"], "not a command")):
+        argv = prepare(tmp_path, ds, extra)
+        proc = subprocess.run([sys.executable, "-m", "mlautotune", *argv], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert fragment in error_lines(proc.stderr)[0]
 
 
 def test_a_typo_in_an_override_is_an_error(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "mlautotune", "plan", "autotuning.tuner_typ=random"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and "tuner_typ" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "tuner_typ" in proc.stderr and "Traceback" not in proc.stderr
+
+
+ACCEPTED = """
+## Accepted, not errors (tests/test_dropin.py)
+
+- Every key of DeepSpeed's autotuning section (`min/max_train_micro_batch_size_per_gpu`,
+  `min_train_batch_size`, `metric_path`, `model_info`, `model_info_path`, ...); the three it does not
+  use get a warning that names the key.
+- `metric=flops` (or `FLOPS`, `Throughput`) in the file or on the command line.
+- `'search.sampler={_target_: optuna.samplers.TPESampler}'` and `search.sampler._target_=...` (plus
+  `search.sampler.<argument>=...`).
+- `"auto"` batch keys without `arg_mappings`: passed as the HF Trainer's `--per_device_train_batch_size`
+  and `--gradient_accumulation_steps`; HF's other `"auto"` values for an HF Trainer script.
+"""
 
 
 if __name__ == "__main__":  # regenerate docs/bad-inputs.md
     import tempfile
 
     print("# Bad inputs and their messages\n")
-    print("Every case below is run by `tests/test_bad_inputs.py` through `mlautotune plan`; each exits with status 2.\n")
+    print("Every case below is run by `tests/test_bad_inputs.py` through `mlautotune plan`; each exits with status 2")
+    print("with this one paragraph and no traceback, and `plan` writes nothing.\n")
     print("| bad input | message |\n|---|---|")
     for case, ds, extra, _ in CASES:
         with tempfile.TemporaryDirectory() as d:
-            err = [l for l in run_case(Path(d), ds, extra).stderr.splitlines() if l.startswith("mlautotune: error:")]
-            msg = err[0].replace(d, "<tmp>").replace("|", "\\|") if err else "(no message)"
-        print(f"| {case} | {msg} |")
+            code, stderr = run_in_process(Path(d), prepare(Path(d), ds, extra))
+            err = error_lines(stderr)
+            msg = err[0].replace(os.path.realpath(d), "<tmp>").replace(d, "<tmp>").replace("|", "\\|") if err else "(no message)"
+        print(f"| {case.replace('|', '/')} | {msg} |")
+    print(ACCEPTED)

@@ -181,9 +181,30 @@ def test_experiment_names():
     assert experiment_name(2, 1, 4, {"reduce_bucket_size": 500000000, "overlap_comm": True}) == "z2_gas1_tmbspg4_oc1_rbs5e8"
 
 
-def test_plan_text_lists_stages_sizes_and_first_names(cfg):
+def test_plan_text_lists_stages_and_sizes(cfg):
     text = plan_text(full(cfg, '{"zero_optimization": {"stage": [1, 2]}, "train_micro_batch_size_per_gpu": [2]}'))
-    assert "stages: [1, 2]" in text and "z1: 9 knob combination" in text and "z1_gas1_tmbspg2_agbs5e7_rbs5e7" in text
+    assert "stages: [1, 2]" in text and "z1: 9 knob combination" in text and "at most 1024" in text
+
+
+def test_first_experiments_are_the_profiling_runs(cfg):
+    """The session's first experiments (plan prints them): the first stage at the smallest micro-batch and 4x, knobs at DeepSpeed's defaults."""
+    from mlautotune.search import first_experiments
+
+    plan = full(cfg, '{"zero_optimization": {"stage": [1, 2]}, "train_micro_batch_size_per_gpu": 2}')
+    first = first_experiments(plan, 2)
+    assert [(p["stage"], p["micro_batch"]) for p in first] == [(1, 2), (1, 8)]
+    assert [experiment_name(1, 1, p["micro_batch"], {k: v for k, v in p.items() if k not in ("stage", "micro_batch", "gas")}) for p in first][0] == "z1_gas1_tmbspg2_agbs5e8_rbs5e8"
+
+
+def test_every_readme_example_keeps_the_deepspeed_zero_model_happy(cfg):
+    """Each plan's experiment configs pass DeepSpeed's own zero_optimization model (it forbids unknown keys)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    for text in (STAGES_23, STAGE1_OVERRIDE, MBS_LIST, '{"zero_optimization": {"stage": "all"}}'):
+        plan = full(cfg, text)
+        for s in plan.stages:
+            for combo in knob_combos(plan, s):
+                DeepSpeedZeroConfig(**experiment_config(plan, s, 1, combo)["zero_optimization"])
 
 
 def test_precedence_conf_then_ds_config_then_command_line(cfg, tmp_path):

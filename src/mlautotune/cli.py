@@ -1,21 +1,59 @@
 """The command line: `mlautotune [tune|plan|experiment|sync] key=value ...` (a Hydra application)."""
 
 import os
+import re
 import sys
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
-from mlautotune.config import register_configs
+from mlautotune.config import COMMANDS, register_configs, validate_command
 from mlautotune.errors import UserError
 
-COMMANDS = ("tune", "plan", "experiment", "sync")
+HELP = """\
+usage: mlautotune [COMMAND] [key=value ...]
+       mlautotune-deepspeed [DeepSpeed launcher flags] train.py --deepspeed ds.json [script args]
+
+Find the fastest DeepSpeed configuration (ZeRO stage, micro-batch, ZeRO knobs) for an unchanged
+training script. Every experiment is a real DeepSpeed launcher run, tracked in MLflow.
+
+commands:
+  tune          tune (the default); mode=run then trains with the optimum
+  plan          print the settings and the first experiments; runs and writes nothing
+  experiment    run one experiment (the plan's first) and print its metrics
+  sync          fill MLflow from a results_dir after a tracking outage
+
+main keys (key=value, Hydra overrides):
+  config=ds.json              your ds_config with "autotuning": {"enabled": true, ...}
+  script=train.py             your training script (default: the bundled GPT workload)
+  script_args='--epochs 1'    the script's arguments, one string
+  mode=tune|run               run: train with the optimum after tuning
+  launcher.num_gpus=N         also launcher.num_nodes, hostfile, include, exclude, master_port
+  autotuning.<key>=...        any key of the ds_config's autotuning section: tuner_type,
+                              tuner_num_trials, metric, fast, results_dir, memory_limit_per_rank ...
+  tracking.tracking_uri=URI   MLflow; also tracking.enabled, tracking.experiment_name
+  search.<key>=...            seed, storage, session, sampler, remeasure
+
+example:
+  mlautotune config=ds.json script=train.py script_args='--epochs 1' launcher.num_gpus=8 \\
+      autotuning.tuner_num_trials=20
+
+more:
+  mlautotune --cfg job [key=value ...]   the full composed config with every key and default
+  mlautotune -m autotuning.tuner_type=model_based,random   a Hydra multirun
+  mlautotune --info / --hydra-help       Hydra's own information
+  README.md (Configuration) and docs/bad-inputs.md
+"""
 
 
-@hydra.main(version_base="1.3", config_path=str(Path(__file__).parent / "conf"), config_name="config")
+CONF_DIR = Path(__file__).parent / "conf"
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def app(cfg: DictConfig) -> None:
     try:
+        validate_command(cfg.command)
         if cfg.command == "plan":
             from mlautotune.commands import plan_command as run
         elif cfg.command == "experiment":
@@ -26,8 +64,7 @@ def app(cfg: DictConfig) -> None:
             from mlautotune.commands import tune_command as run
         run(cfg)
     except UserError as e:
-        print(f"mlautotune: error: {e.message}", file=sys.stderr)
-        sys.exit(e.exit_code)
+        fail(e)
     except Exception as e:
         if type(e).__name__ != "SessionFailed":
             raise
@@ -35,8 +72,29 @@ def app(cfg: DictConfig) -> None:
         sys.exit(1)
 
 
-def main() -> None:
+def hydra_quote(text: str) -> str:
+    """A Hydra override value that is exactly `text` (a single-quoted string, quotes and backslashes escaped)."""
+    # Hydra: inside quotes, only backslashes before a quote (or before the closing quote) are escapes.
+    return "'" + re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\'" if m.group(2) else ""), text) + "'"
+
+
+def fail(e: UserError) -> None:
+    print(f"mlautotune: error: {e.message}", file=sys.stderr)
+    sys.exit(e.exit_code)
+
+
+def main(argv=None) -> None:
     """Entry point. A first word that names a command becomes the `command=` override."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(HELP, end="")
+        return
+    if argv and argv[0] in COMMANDS:
+        argv = [f"command={argv[0]}", *argv[1:]]
+    elif argv and not argv[0].startswith("-") and "=" not in argv[0]:
+        fail(UserError(f"{argv[0]!r} is not a command.", f"Use one of {', '.join(COMMANDS)}, or key=value settings only (tune is the default); see mlautotune --help."))
+    # search.sampler is an open dict (the sampler's _target_ and arguments): let its keys be added.
+    argv = [f"++{a}" if a.startswith(("search.sampler=", "search.sampler.")) else a for a in argv]
     register_configs()
     # A tracking server that is down must cost seconds, not the minutes of MLflow's default retries.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
@@ -44,6 +102,26 @@ def main() -> None:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    if len(sys.argv) > 1 and sys.argv[1] in COMMANDS:
-        sys.argv = [sys.argv[0], f"command={sys.argv[1]}", *sys.argv[2:]]
+    if not {"-m", "--multirun"} & set(argv):
+        check_overrides(argv)
+    sys.argv = [sys.argv[0], *argv]
     app()
+
+
+def check_overrides(argv) -> None:
+    """Compose the config once with the key=value overrides, so that one Hydra refuses (a misspelt key,
+    a value of the wrong type) gets one paragraph and exit status 2, like every other bad input."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    overrides = [a for a in argv if "=" in a and not a.startswith("-") and not a.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            compose(config_name="config", overrides=overrides)
+    except HydraException as e:
+        text = str(e) + (f": {e.__cause__}" if e.__cause__ else "")
+        lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith(("full_key", "object_type", "reference_type", "To append"))]
+        unknown = re.match(r"Could not override '([^']+)'\.?$", lines[0]) if len(lines) == 1 else None
+        if unknown:
+            lines = [f"'{unknown.group(1)}' is not a setting of mlautotune (a misspelt key?)"]
+        fail(UserError(" ".join(lines).rstrip(".") + ".", "Check the key against `mlautotune --cfg job` (every key with its type), and the value's type."))

@@ -1,5 +1,6 @@
 """The commands: tune (and run), plan, experiment, sync. Glue from a session to search, tracking and reports."""
 
+import shlex
 import signal
 import sys
 import time
@@ -12,9 +13,9 @@ from mlautotune import ops
 from mlautotune.console import Console
 from mlautotune.errors import UserError
 from mlautotune.files import atomic_write_text, read_json
-from mlautotune.report import PROVENANCE_KEY, optimal_command, report_artifacts, write_reports
-from mlautotune.scriptargs import set_deepspeed_config, set_flag
-from mlautotune.search import Outcome, Tuner, base_params
+from mlautotune.experiment import plain_command
+from mlautotune.report import PROVENANCE_KEY, report_artifacts, write_reports
+from mlautotune.search import Outcome, Tuner, first_experiments
 from mlautotune.session import SESSION_FILE, Session, hardware_params, open_session
 from mlautotune.space import plan_text
 from mlautotune.tracking import Tracker, TrackingObserver, child_payload, flatten, mlflow_status, parent_status
@@ -98,12 +99,10 @@ def finish(session: Session, study, tracker: Tracker, outcome: Outcome, status: 
 
 
 def optimal_cmd(session: Session, params: Dict[str, Any], ds_config: Dict[str, Any]) -> str:
-    path = str(session.results_dir / "ds_config_optimal.json")
-    args = set_deepspeed_config(session.script_args, path)
-    for key, flag in (session.at.arg_mappings or {}).items():
-        if key.strip() in ds_config:
-            args = set_flag(args, flag, str(ds_config[key.strip()]))
-    return optimal_command(session.launcher_argv(), str(session.script), args)
+    """cmd_optimal.txt: the optimum's experiment, built by the experiments' own command-line builder."""
+    exp = session.make_experiment(params)
+    exp.ds_config = ds_config
+    return shlex.join(plain_command(exp, str(session.results_dir / "ds_config_optimal.json")))
 
 
 def parent_params(session: Session) -> Dict[str, Any]:
@@ -182,19 +181,23 @@ def check_against_tuning(final: Dict[str, Any], tuned: float, tuned_metrics: Dic
 
 
 def plan_command(cfg: DictConfig) -> None:
-    session = open_session(cfg)
+    """Print the settings, the plan and the session's first experiments. Writes nothing, launches nothing."""
+    session = open_session(cfg, dry_run=True)
     for notice in session.plan.notices:
         print(f"mlautotune: {notice}")
     print(f"session: {session.name}  ({session.world_size} ranks, results in {session.results_dir})")
     print("autotuning settings (conf < ds_config < command line):")
     print("  " + OmegaConf.to_yaml(session.at).strip().replace("\n", "\n  "))
     print(plan_text(session.plan))
+    first = [session.make_experiment(p) for p in first_experiments(session.plan, session.world_size)]
+    print("first experiments: " + ", ".join(e.name for e in first))
+    print("first command: " + shlex.join(plain_command(first[0], str(session.results_dir / first[0].name / "ds_config.json"))))
 
 
 def experiment_command(cfg: DictConfig) -> None:
     """Run one experiment of the ds_config (the plan's first configuration) and print the result."""
     session = open_session(cfg)
-    exp = session.make_experiment(base_params(session.plan, session.plan.stages[0], session.plan.micro_batch.values[0]))
+    exp = session.make_experiment(first_experiments(session.plan, session.world_size)[0])
     ops.ensure_built(session.ds_config, lambda text: print(text, flush=True))
     print(f"mlautotune: running {exp.name} ...", flush=True)
     result = session.run(exp)

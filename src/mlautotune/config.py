@@ -4,8 +4,12 @@ Precedence of the `autotuning` settings: conf/ defaults < the user's ds_config `
 section < command-line overrides.
 """
 
+import errno
+import json
 import logging
+import math
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -37,6 +41,14 @@ class AutotuningConf:
     tuner_early_stopping: int = 5
     tuner_num_trials: int = 50
     arg_mappings: Optional[Dict[str, str]] = None
+    # DeepSpeed's bounds on the search (deepspeed/autotuning/constants.py, same defaults).
+    min_train_batch_size: int = 1
+    min_train_micro_batch_size_per_gpu: int = 1
+    max_train_micro_batch_size_per_gpu: int = 1024
+    # DeepSpeed keys accepted with a warning: mlautotune profiles the model and writes metrics.json itself.
+    metric_path: Optional[str] = None
+    model_info: Optional[Dict[str, Any]] = None
+    model_info_path: Optional[str] = None
     # mlautotune's own additions.
     memory_limit_per_rank: Optional[str] = None  # "6GiB", "500MB" or bytes; None -> device memory (GPU) / host RAM share (CPU)
     experiment_timeout: float = 900.0  # seconds per experiment; the whole process group is killed after it
@@ -68,7 +80,7 @@ class SearchConf:
     seed: int = 0
     storage: Optional[str] = None  # Optuna storage URL; None -> sqlite in results_dir
     session: Optional[str] = None  # session name; None -> derived from script, args, ds_config and settings
-    sampler: Optional[Dict[str, Any]] = None  # any Optuna sampler by Hydra _target_; overrides tuner_type
+    sampler: Dict[str, Any] = field(default_factory=dict)  # any Optuna sampler by Hydra _target_ (empty: tuner_type's); overrides tuner_type
     remeasure: int = 2  # extra measurements of near-tied leaders before the optimum is declared
 
 
@@ -114,26 +126,87 @@ TUNERS = ("model_based", "gridsearch", "random")
 ENABLE_HINT = 'Add "autotuning": {"enabled": true} to the ds_config (see the DeepSpeed autotuning README).'
 
 
+MAX_CONFIG_BYTES = 16 * 2**20  # a ds_config is a few KiB; a larger file is not one
+MAX_CONFIG_DEPTH = 32
+BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"), (b"\xfe\xff", "UTF-16"))
+
+
 def load_ds_config(path: Path) -> dict:
-    """Read a ds_config as DeepSpeed does (hjson: comments and trailing commas are fine)."""
+    """Read a ds_config as DeepSpeed does (hjson: comments and trailing commas are fine; duplicate keys are an error)."""
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"The DeepSpeed config {str(path)!r} does not exist.", "Pass config=<path to your ds_config.json>, or leave config unset to use the bundled example.")
+    where = f"The DeepSpeed config {str(path)!r}"
+    text = _decode(_read_bytes(path, where), where)
+    if not text.strip():
+        raise UserError(f"{where} is empty.", 'A ds_config is a JSON object like {"train_micro_batch_size_per_gpu": 1, "autotuning": {"enabled": true}}.')
     try:
-        data = hjson.loads(path.read_text())
+        data = hjson.loads(text, object_pairs_hook=_no_duplicate_keys)
     except hjson.HjsonDecodeError as e:
-        raise UserError(f"The DeepSpeed config {str(path)!r} does not parse: {e.msg} at line {e.lineno}, column {e.colno}.", "Fix the JSON there (comments and trailing commas are accepted).")
+        raise UserError(f"{where} does not parse: {e.msg} at line {e.lineno}, column {e.colno}.", "Fix the JSON there (comments and trailing commas are accepted).")
+    except OverflowError:
+        raise UserError(f"{where} holds a number too large for a float (like 1e999).", "Write the number within the float range (at most about 1.8e308); sizes in bytes are plain integers such as 500000000.")
+    except RecursionError:
+        raise UserError(f"{where} is nested too deeply to read.", f"A ds_config nests a few levels (at most {MAX_CONFIG_DEPTH}); check that the file is the one you meant.")
     if not isinstance(data, dict):
-        raise UserError(f"The DeepSpeed config {str(path)!r} is not a JSON object.", "A ds_config is an object like {\"train_micro_batch_size_per_gpu\": 1, \"autotuning\": {\"enabled\": true}}.")
-    return _normalise_keys(_plain(data), str(path))
+        raise UserError(f"{where} is not a JSON object.", "A ds_config is an object like {\"train_micro_batch_size_per_gpu\": 1, \"autotuning\": {\"enabled\": true}}.")
+    _check_depth(data, where)
+    return _normalise_keys(data, str(path))
 
 
-def _plain(value):
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    return float(value) if type(value).__name__ == "Decimal" else value
+def _read_bytes(path: Path, where: str) -> bytes:
+    try:
+        st = path.stat()
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UserError(f"{where} is a symbolic link that loops back on itself.", "Point config= at the ds_config file itself.")
+        raise UserError(f"{where} does not exist.", "Pass config=<path to your ds_config.json>, or leave config unset to use the bundled example.")
+    if stat.S_ISDIR(st.st_mode):
+        raise UserError(f"{where} is a directory, not a file.", "Pass config=<path to the ds_config.json file inside it>.")
+    if st.st_size > MAX_CONFIG_BYTES:
+        raise UserError(f"{where} is {st.st_size / 2**20:.0f} MiB; a ds_config is a few KiB (limit {MAX_CONFIG_BYTES // 2**20} MiB).", "Check that config= points at the ds_config and not at a data or checkpoint file.")
+    try:
+        with open(path, "rb") as f:
+            return f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise UserError(f"{where} cannot be read ({e.strerror}).", "Check the file's permissions, or pass another config=.")
+
+
+def _decode(raw: bytes, where: str) -> str:
+    for bom, name in BOMS:
+        if raw.startswith(bom):
+            raise UserError(f"{where} is {name} text; DeepSpeed reads a ds_config as UTF-8.", f"Save it as UTF-8, e.g. iconv -f {name} -t UTF-8 ds.json > ds_utf8.json.")
+    if b"\x00" in raw:
+        raise UserError(f"{where} is a binary file (it contains NUL bytes), not JSON text.", "Pass config=<path to your ds_config.json>.")
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{where} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start} does not decode).", "Save it as UTF-8 (DeepSpeed reads a ds_config as UTF-8).")
+
+
+def _no_duplicate_keys(pairs):
+    """hjson's object_pairs_hook: DeepSpeed refuses a key given twice (dict_raise_error_on_duplicate_keys)."""
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise UserError(f"The ds_config gives the key {k!r} twice in one object; DeepSpeed refuses that.", f"Keep one {k!r} and delete the other.")
+        out[k] = _finite(v, k)
+    return out
+
+
+def _finite(value, key):
+    if type(value).__name__ == "Decimal":
+        value = float(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise UserError(f"The ds_config's {key!r} is {value}, which is not a finite number.", f"Give {key} a finite number.")
+    return value
+
+
+def _check_depth(data, where: str) -> None:
+    level, depth = [data], 0
+    while level:
+        depth += 1
+        if depth > MAX_CONFIG_DEPTH:
+            raise UserError(f"{where} is nested more than {MAX_CONFIG_DEPTH} levels deep.", "A ds_config nests a few levels; check that the file is the one you meant.")
+        level = [v for x in level for v in (x.values() if isinstance(x, dict) else x) if isinstance(v, (dict, list))]
 
 
 def _normalise_keys(d: dict, where: str) -> dict:
@@ -142,6 +215,8 @@ def _normalise_keys(d: dict, where: str) -> dict:
         key = k.strip() if isinstance(k, str) else k
         if key != k:
             log.warning("ds_config %s: key %r has stray whitespace; read as %r", where, k, key)
+        if key in out:
+            raise UserError(f"The ds_config gives the key {key!r} twice in one object (once with stray whitespace); DeepSpeed refuses that.", f"Keep one {key!r} and delete the other.")
         out[key] = _normalise_keys(v, where) if isinstance(v, dict) else v
     return out
 
@@ -151,56 +226,119 @@ def settings(cfg: DictConfig, ds_config: dict, cli_overrides: list) -> DictConfi
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     section = ds_config.get("autotuning")
-    if not isinstance(section, dict) or section.get("enabled") is not True:
-        raise UserError("Autotuning is not enabled in the ds_config.", ENABLE_HINT)
+    if section is None:
+        raise UserError("Autotuning is not enabled in the ds_config: it has no \"autotuning\" section.", ENABLE_HINT)
+    if not isinstance(section, dict):
+        raise UserError(f"The ds_config's \"autotuning\" is {section!r}, not an object.", ENABLE_HINT)
+    enabled = section.get("enabled")
+    if isinstance(enabled, str):
+        raise UserError(f"autotuning.enabled is the string {enabled!r}, not the JSON boolean true.", 'Write "enabled": true without quotes.')
+    if enabled is not True:
+        raise UserError("Autotuning is not enabled in the ds_config" + (" (\"enabled\" is missing)." if enabled is None else f" (\"enabled\": {json.dumps(enabled)})."), ENABLE_HINT)
     section = dict(section)
     if "arg_mappings" not in section and isinstance(ds_config.get("arg_mappings"), dict):
         section["arg_mappings"] = ds_config["arg_mappings"]  # the README's own example puts it at the top level
     if isinstance(section.get("arg_mappings"), dict):
         section["arg_mappings"] = {k.strip(): v for k, v in section["arg_mappings"].items()}
-    if isinstance(section.get("metric"), str) and section["metric"].lower() == "flops":
-        section["metric"] = "FLOPS"
     known = set(AutotuningConf.__dataclass_fields__)
     for key in section:
         if key not in known:
             raise UserError(f"The ds_config's autotuning section has an unknown key {key!r}.", f"Known keys: {', '.join(sorted(known))}.")
     final = cfg.copy()
-    mappings = section.pop("arg_mappings", None)
+    free_form = {k: section.pop(k) for k in ("arg_mappings", "model_info") if section.get(k) is not None}  # dicts of any keys
     try:
         final.autotuning = OmegaConf.merge(final.autotuning, section)
-        if mappings is not None:
-            final.autotuning.arg_mappings = mappings
+        for k, v in free_form.items():
+            final.autotuning[k] = v
     except OmegaConfBaseException as e:
         raise UserError(f"The ds_config's autotuning section has a value of the wrong type: {str(e).splitlines()[0]}.", "Use the types of the documented defaults (numbers, true/false, strings).")
     keys = [o.key_or_group for o in OverridesParser.create().parse_overrides(list(cli_overrides))]
     for key in keys:
         if key.startswith("autotuning."):
             OmegaConf.update(final, key, OmegaConf.select(cfg, key), merge=False)
+    if isinstance(final.autotuning.metric, str):
+        final.autotuning.metric = canonical_metric(final.autotuning.metric)
     return final
 
 
+def canonical_metric(name: str) -> str:
+    """Metric names are case-insensitive, in the file and on the command line (DeepSpeed writes "flops")."""
+    return next((m for m in METRICS if m.lower() == name.strip().lower()), name)
+
+
+FLAG = re.compile(r"--?[A-Za-z0-9][A-Za-z0-9_.-]*")
+COMMANDS = ("tune", "plan", "experiment", "sync")
+
+
 def validate(cfg: DictConfig) -> None:
+    """Every setting in its range; a mistake raises UserError naming the key and the fix."""
     at = cfg.autotuning
     if at.metric not in METRICS:
-        raise UserError(f"autotuning.metric={at.metric!r} is not a known metric.", f"Use one of {', '.join(METRICS)}.")
+        raise UserError(f"autotuning.metric={at.metric!r} is not a known metric.", f"Use one of {', '.join(METRICS)} (any case).")
     if at.tuner_type not in TUNERS:
         raise UserError(f"autotuning.tuner_type={at.tuner_type!r} is not a known tuner.", f"Use one of {', '.join(TUNERS)}, or search.sampler with a _target_ for another Optuna sampler.")
     if at.start_profile_step < 1:
         raise UserError(f"autotuning.start_profile_step={at.start_profile_step} must be at least 1.", "Use start_profile_step >= 1 (default 3).")
     if at.end_profile_step < at.start_profile_step:
         raise UserError(f"autotuning.end_profile_step={at.end_profile_step} is smaller than start_profile_step={at.start_profile_step}.", "Make end_profile_step >= start_profile_step (defaults 3 and 5).")
-    if at.tuner_num_trials < 1 or at.tuner_early_stopping < 1 or at.num_tuning_micro_batch_sizes < 1:
-        raise UserError("autotuning.tuner_num_trials, tuner_early_stopping and num_tuning_micro_batch_sizes must be at least 1.", "Set them to positive integers.")
+    for key in ("tuner_num_trials", "tuner_early_stopping", "num_tuning_micro_batch_sizes", "mp_size", "min_train_batch_size", "min_train_micro_batch_size_per_gpu", "max_train_micro_batch_size_per_gpu"):
+        if at[key] < 1:
+            raise UserError(f"autotuning.{key}={at[key]} must be at least 1.", f"Set autotuning.{key} to a positive integer (DeepSpeed's default: {getattr(AutotuningConf, key)}).")
+    if at.max_train_batch_size is not None and at.max_train_batch_size < 1:
+        raise UserError(f"autotuning.max_train_batch_size={at.max_train_batch_size} must be at least 1.", "Give a positive integer, or null for no cap.")
+    if at.min_train_micro_batch_size_per_gpu > at.max_train_micro_batch_size_per_gpu:
+        raise UserError(f"autotuning.min_train_micro_batch_size_per_gpu={at.min_train_micro_batch_size_per_gpu} is larger than max_train_micro_batch_size_per_gpu={at.max_train_micro_batch_size_per_gpu}.", "Make the minimum at most the maximum (defaults 1 and 1024).")
     for key, flag in (at.arg_mappings or {}).items():
         if not isinstance(flag, str) or not flag.startswith("--"):
             raise UserError(f"arg_mappings maps {key!r} to {flag!r}, which is not a command-line flag.", f'Write the flag with its dashes, e.g. "{key}": "--per_device_train_batch_size".')
+        if not FLAG.fullmatch(flag.strip()):
+            raise UserError(f"arg_mappings maps {key!r} to {flag!r}, which is not a single command-line flag (only letters, digits, _ . - after the dashes; no spaces or ;).", f'Give one flag of the script, e.g. "{key}": "--per_device_train_batch_size".')
     if cfg.mode not in ("tune", "run"):
         raise UserError(f"mode={cfg.mode!r} is not a mode.", "Use mode=tune (find the optimum) or mode=run (then train with it).")
-    if at.experiment_timeout <= 0:
-        raise UserError(f"autotuning.experiment_timeout={at.experiment_timeout} must be positive.", "Give seconds, e.g. 900.")
+    if not math.isfinite(at.experiment_timeout) or at.experiment_timeout <= 0:
+        raise UserError(f"autotuning.experiment_timeout={at.experiment_timeout} is not a positive number of seconds.", "Give seconds, e.g. 900.")
+    if at.results_dir == "" or at.exps_dir == "":
+        raise UserError("autotuning.results_dir or exps_dir is empty.", "Give a folder, or leave the key out for the default (autotuning_results, autotuning_exps).")
+    if at.memory_limit_per_rank is not None:
+        parse_bytes(at.memory_limit_per_rank)
+    validate_launcher(cfg.launcher)
+    validate_sampler(cfg.search.sampler)
+    if cfg.search.remeasure < 0:
+        raise UserError(f"search.remeasure={cfg.search.remeasure} must be 0 or more.", "Give the number of extra measurements of near-tied leaders (default 2).")
     m = cfg.measure
     if m.target_interval <= 0 or m.budget_s < 0 or m.max_warmup_steps < 0 or m.check_every < 1 or not 0 < m.confidence < 1:
         raise UserError(f"The measure settings are out of range: {dict(m)}.", "Use measure.target_interval > 0, budget_s >= 0, max_warmup_steps >= 0, check_every >= 1 and 0 < confidence < 1 (defaults 0.02, 3, 10, 2, 0.95).")
+
+def validate_command(command: str) -> None:
+    if command not in COMMANDS:
+        raise UserError(f"command={command!r} is not a command.", f"Use one of {', '.join(COMMANDS)} (lower case), e.g. `mlautotune plan config=ds.json`.")
+
+
+def validate_sampler(sampler: Any) -> None:
+    """search.sampler: an Optuna sampler class named by `_target_` (Hydra's instantiate convention)."""
+    if not sampler:
+        return
+    target = sampler.get("_target_")
+    hint = "Write it as 'search.sampler={_target_: optuna.samplers.TPESampler}' (any optuna.samplers.BaseSampler subclass), or leave it unset to use autotuning.tuner_type."
+    if not isinstance(target, str) or not target:
+        raise UserError(f"search.sampler has no _target_ naming a sampler class (got {dict(sampler)!r}).", hint)
+    from hydra.utils import get_class
+    import optuna
+
+    try:
+        cls = get_class(target)
+    except Exception as e:
+        raise UserError(f"search.sampler._target_={target!r} cannot be imported ({str(e).splitlines()[0]}).", hint)
+    if not issubclass(cls, optuna.samplers.BaseSampler):
+        raise UserError(f"search.sampler._target_={target!r} is not an Optuna sampler.", hint)
+
+
+def validate_launcher(launcher: Any) -> None:
+    for key in ("num_gpus", "num_nodes"):
+        if launcher[key] is not None and launcher[key] < 1:
+            raise UserError(f"launcher.{key}={launcher[key]} must be at least 1.", f"Pass launcher.{key}=<a positive integer>, or leave it unset to use what the machine has.")
+    if not 1 <= launcher.master_port <= 65535:
+        raise UserError(f"launcher.master_port={launcher.master_port} is not a TCP port.", "Use a port in 1..65535 (default 29500); experiments take free ports from there on.")
 
 
 UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
@@ -211,4 +349,9 @@ def parse_bytes(value) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
     if not m or m.group(2).lower() not in UNITS:
         raise UserError(f"autotuning.memory_limit_per_rank={value!r} is not a size.", "Write it like 6GiB, 500MB or a number of bytes.")
-    return int(float(m.group(1)) * UNITS[m.group(2).lower()])
+    size = float(m.group(1)) * UNITS[m.group(2).lower()]
+    if not math.isfinite(size) or size > 2**60:
+        raise UserError(f"autotuning.memory_limit_per_rank={value!r} is larger than any machine's memory.", "Write the limit per rank, like 6GiB, or leave it unset for the device memory.")
+    if size < 2**20:
+        raise UserError(f"autotuning.memory_limit_per_rank={value!r} is less than 1 MiB, so every experiment would be out of memory.", "Write the limit per rank, like 6GiB, or leave it unset for the device memory.")
+    return int(size)

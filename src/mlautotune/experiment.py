@@ -134,6 +134,12 @@ def experiment_args(exp: Experiment, ds_config_path: str) -> List[str]:
     return args
 
 
+def plain_command(exp: Experiment, ds_config_path: str) -> List[str]:
+    """The command a user would type to train with this experiment's config: `deepspeed <launcher flags> script <args>`.
+    The same builder as the experiment's own launch (cmd_optimal.txt, exp.json's plain_cmd, the final training)."""
+    return launch_command(exp, Path(ds_config_path).parent, 0, experiment_args(exp, ds_config_path), probed=False)
+
+
 def port_is_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
@@ -162,8 +168,9 @@ def launch_command(exp: Experiment, exp_dir: Path, port: int, args: List[str], p
         if value not in (None, ""):
             cmd += [flag, str(value)]
     cmd += list(r.launcher_args)  # further DeepSpeed launcher flags, e.g. --no_ssh, --bind_cores_to_rank
-    if not probed:
-        return cmd + [exp.script, *args]
+    if not probed:  # the user's own port, if they chose one (experiments take free ports from it)
+        port_flag = ["--master_port", str(r.master_port)] if r.master_port != Resources.master_port else []
+        return cmd + port_flag + [exp.script, *args]
     return cmd + ["--master_port", str(port), "--module", "mlautotune.probe", str(exp_dir), exp.script, *args]
 
 
@@ -311,7 +318,7 @@ def run_experiment(exp: Experiment, results_dir: Path) -> Result:
         atomic_write_text(exp_dir / "cmd.txt", shlex.join(cmd) + "\n")
         atomic_write_json(exp_dir / "exp.json", {
             "name": exp.name, "params": exp.params, "ds_config": str(ds_config_path), "script": exp.script,
-            "plain_cmd": launch_command(exp, exp_dir, port, args, probed=False),
+            "plain_cmd": plain_command(exp, str(ds_config_path)),
             "script_args": args, "user_script_args": exp.script_args, "arg_mappings": exp.arg_mappings,
             "resources": asdict(exp.resources), "master_port": port, "start_profile_step": exp.start_profile_step,
             "end_profile_step": exp.end_profile_step, "memory_limit_bytes": exp.memory_limit_bytes, "timeout_s": exp.timeout_s,

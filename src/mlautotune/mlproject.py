@@ -4,6 +4,7 @@ import shlex
 import sys
 
 from mlautotune import cli
+from mlautotune.cli import hydra_quote
 
 # MLproject parameter -> Hydra key
 KEYS = {
@@ -17,10 +18,6 @@ KEYS = {
     "tuner_type": "autotuning.tuner_type",
     "results_dir": "autotuning.results_dir",
 }
-
-
-def hydra_quote(value: str) -> str:
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def overrides(argv: list) -> list:

@@ -64,10 +64,6 @@ def report_artifacts(results_dir: Path) -> List[Path]:
     return [results_dir / n for n in REPORT_FILES if (results_dir / n).exists()] + [results_dir / "plots"]
 
 
-def optimal_command(launcher_argv: List[str], script: str, script_args: List[str]) -> str:
-    return shlex.join(["deepspeed", *launcher_argv, script, *script_args])
-
-
 def write_reports(
     results_dir: Path,
     outcome: Outcome,

@@ -2,7 +2,7 @@
 
 from typing import List, Optional
 
-DEEPSPEED_CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed")
+DEEPSPEED_CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed-config", "--deepspeed")
 
 
 def get_flag(args: List[str], flag: str) -> Optional[str]:

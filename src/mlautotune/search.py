@@ -269,13 +269,7 @@ class Tuner:
         Both runs are ordinary experiments (and usually useful candidates), so profiling costs
         little. One point and a failed second still give a usable model (with the formula's slope).
         """
-        stage = self.plan.stages[0]
-        rule = self.plan.micro_batch
-        sizes = sorted(set(rule.values))[:2] if rule.mode == "list" else [rule.values[0]]
-        if rule.mode == "min":
-            sizes.append(rule.values[0] * 4)
-        sizes = [m for m in sizes if self._within_batch_cap(m)] or sizes[:1]
-        points = [self.measure(self.base_params(stage, m)) for m in sizes]
+        points = [self.measure(p) for p in first_experiments(self.plan, self.s.world_size)]
         info = next((p.result.metrics for p in points if p.ok), None)
         if info is None or not info.get("num_params"):
             self.note("model-info profiling got no successful run: the memory model is off, micro-batches are searched by doubling")
@@ -293,16 +287,8 @@ class Tuner:
             self._observe_memory(m)
         self._notify("profiled", self.memory, points)
 
-    def _within_batch_cap(self, mbs: int) -> bool:
-        cap = self.micro_batch_cap()
-        return cap is None or mbs <= cap
-
     def micro_batch_cap(self) -> Optional[int]:
-        """The largest micro-batch that max_train_batch_size allows, if it is set."""
-        if not self.plan.max_train_batch_size:
-            return None
-        per_mbs = self.plan.gas * max(1, self.s.world_size // self.plan.mp_size)
-        return max(1, self.plan.max_train_batch_size // per_mbs)
+        return micro_batch_cap(self.plan, self.s.world_size)
 
     def _stage_measured(self, stage: int) -> List[Measured]:
         return [m for m in self._order if m.params.get("stage") == stage]
@@ -602,6 +588,26 @@ def product(space: Dict[str, List[Any]]) -> List[Dict[str, Any]]:
 
 def in_space_of(params: Dict[str, Any], space: Dict[str, List[Any]]) -> bool:
     return set(params) == set(space) and all(params[k] in space[k] for k in space)
+
+
+def micro_batch_cap(plan: TuningPlan, world_size: int) -> int:
+    """The largest micro-batch allowed: max_train_micro_batch_size_per_gpu, and max_train_batch_size if it is set."""
+    cap = plan.micro_batch_max
+    if plan.max_train_batch_size:
+        per_mbs = plan.gas * max(1, world_size // plan.mp_size)
+        cap = min(cap, max(1, plan.max_train_batch_size // per_mbs))
+    return cap
+
+
+def first_experiments(plan: TuningPlan, world_size: int) -> List[Dict[str, Any]]:
+    """The params of the session's first experiments (the profiling runs): the first stage at the
+    smallest micro-batch and at 4x (or the list's two smallest), within the caps. `plan` prints these."""
+    rule, cap = plan.micro_batch, micro_batch_cap(plan, world_size)
+    sizes = sorted(set(rule.values))[:2] if rule.mode == "list" else [rule.values[0]]
+    if rule.mode == "min":
+        sizes.append(rule.values[0] * 4)
+    sizes = [m for m in sizes if m <= cap] or sizes[:1]
+    return [base_params(plan, plan.stages[0], m) for m in sizes]
 
 
 def base_params(plan: TuningPlan, stage: int, mbs: int) -> Dict[str, Any]:

@@ -6,6 +6,7 @@ import os
 import shlex
 import socket
 import sys
+import tempfile
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -80,7 +81,7 @@ class Session:
             script_args=list(self.script_args),
             resources=self.resources,
             params=dict(params),
-            arg_mappings=dict(self.at.arg_mappings or {}),
+            arg_mappings=dict(self.plan.arg_mappings),
             start_profile_step=self.at.start_profile_step,
             end_profile_step=self.at.end_profile_step,
             memory_limit_bytes=self.memory_limit_bytes,
@@ -103,13 +104,6 @@ class Session:
         except ValueError as e:
             raise UserError(f"The Optuna study {self.name!r} in {self.storage} cannot be used: {e}.", "Pick another search.session name or storage.")
 
-    def launcher_argv(self) -> List[str]:
-        r, argv = self.resources, []
-        for flag, value in (("--num_nodes", r.num_nodes), ("--num_gpus", r.num_gpus), ("--hostfile", r.hostfile), ("--include", r.include), ("--exclude", r.exclude)):
-            if value is not None:
-                argv += [flag, str(value)]
-        return argv + list(r.launcher_args)
-
     def write_record(self, **fields: Any) -> None:
         path = self.results_dir / SESSION_FILE
         record = read_json(path) if path.exists() else {}
@@ -119,25 +113,29 @@ class Session:
         atomic_write_json(path, record)
 
 
-def open_session(cfg: DictConfig) -> Session:
-    """Validate every input and build the session. Any user mistake raises UserError."""
+def open_session(cfg: DictConfig, dry_run: bool = False) -> Session:
+    """Validate every input and build the session. Any user mistake raises UserError.
+
+    dry_run (plan): the same checks, but nothing is created: no folders, no MLflow store, no study.
+    """
     overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
-    ds_path = Path(cfg.config).expanduser() if cfg.config else BUNDLED_CONFIG
+    ds_path = _given_path(cfg.config, "config", "your ds_config.json", BUNDLED_CONFIG)
     ds_config = configlib.load_ds_config(ds_path)
     final = configlib.settings(cfg, ds_config, overrides)
     configlib.validate(final)
-    script = _check_script(final.script)
+    script = _check_script(_given_path(final.script, "script", "your training script .py", BUNDLED_SCRIPT))
     script_args = _split_args(final.script_args)
     resources = Resources(**OmegaConf.to_container(final.launcher, resolve=True))
     _check_resources(resources)
     ws = world_size(resources)
-    plan = build_plan(ds_config, final.autotuning, final.space, script_args, ws)
+    _check_mp_size(final.autotuning.mp_size, ws)
+    plan = build_plan(ds_config, final.autotuning, final.space, script_args, ws, hf_trainer=is_hf_trainer(script, script_args))
     results_dir = _results_dir(final)
     exps_dir = Path(final.autotuning.exps_dir or "autotuning_exps").absolute()
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
         exps_dir = results_dir / "exps"
     for d in (results_dir, exps_dir):
-        _check_writable(d)
+        _check_writable(d, create=not dry_run)
     device = accelerator_name()
     limit = configlib.parse_bytes(final.autotuning.memory_limit_per_rank) if final.autotuning.memory_limit_per_rank else default_memory_limit(device, resources, ws)
     name = final.search.session or identity(final, ds_config, script, script_args)
@@ -145,8 +143,51 @@ def open_session(cfg: DictConfig) -> Session:
         name = f"{name}-{datetime.now():%Y%m%d-%H%M%S}"
     _check_results_dir_owner(results_dir, name, final.autotuning.overwrite)
     storage = final.search.storage or f"sqlite:///{results_dir / 'optuna.db'}"
-    _check_tracking_uri(final.tracking.tracking_uri)
+    _check_storage(storage)
+    _check_tracking_uri(final.tracking.tracking_uri, create=not dry_run)
     return Session(final, ds_path, ds_config, plan, script, script_args, resources, ws, results_dir, exps_dir, name, storage, limit, device)
+
+
+def _given_path(value: Optional[str], key: str, what: str, bundled: Path) -> Path:
+    """None -> the bundled file; an empty value is a mistake (it would silently tune the bundled example)."""
+    if value is None:
+        return bundled
+    if not str(value).strip():
+        raise UserError(f"{key}= is given but empty.", f"Pass {key}=<path to {what}>, or leave {key} out entirely to use the bundled example.")
+    return Path(value).expanduser()
+
+
+def is_hf_trainer(script: Path, script_args: List[str]) -> bool:
+    """A Hugging Face Trainer script: it takes --deepspeed and uses transformers' Trainer."""
+    from mlautotune.scriptargs import get_flag
+
+    if get_flag(script_args, "--deepspeed") is None:
+        return False
+    try:
+        text = script.read_text(errors="replace")
+    except OSError:
+        return False
+    return "transformers" in text and "Trainer" in text
+
+
+def _check_mp_size(mp: int, ws: int) -> None:
+    if mp > ws or ws % mp:
+        raise UserError(f"autotuning.mp_size={mp} " + (f"is larger than the {ws} ranks of this launch." if mp > ws else f"does not divide the {ws} ranks of this launch."), f"Use an mp_size that divides {ws} (1 without model parallelism), or launch more ranks (launcher.num_gpus/num_nodes).")
+
+
+def _check_storage(storage: str) -> None:
+    """search.storage must be a database URL Optuna can open (checked without connecting)."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        url = make_url(storage)
+        url.get_dialect()
+    except Exception as e:
+        raise UserError(f"search.storage={storage!r} is not a database URL Optuna can use ({str(e).splitlines()[0]}).", "Use a URL like sqlite:///path/optuna.db or postgresql://user@host/db, or leave search.storage unset for sqlite in results_dir.")
+    if url.get_backend_name() == "sqlite" and url.database:
+        folder = Path(url.database).expanduser().absolute().parent
+        if not _nearest_existing(folder).is_dir():
+            raise UserError(f"search.storage={storage!r} points into {str(folder)!r}, which is not a folder.", "Point the sqlite URL at a file in an existing folder.")
 
 
 def identity(cfg: DictConfig, ds_config: Dict[str, Any], script: Path, script_args: List[str]) -> str:
@@ -170,8 +211,10 @@ def identity(cfg: DictConfig, ds_config: Dict[str, Any], script: Path, script_ar
     return f"{script.stem}-{cfg.autotuning.tuner_type}-{hashlib.sha256(blob.encode()).hexdigest()[:10]}"
 
 
-def _check_script(script: Optional[str]) -> Path:
-    path = Path(script).expanduser().absolute() if script else BUNDLED_SCRIPT
+def _check_script(script: Path) -> Path:
+    path = script.absolute()
+    if path.is_dir():
+        raise UserError(f"The training script {str(path)!r} is a directory.", "Pass script=<path to your training script .py>.")
     if not path.is_file():
         raise UserError(f"The training script {str(path)!r} does not exist.", "Pass script=<path to your training script .py>, or leave script unset to tune the bundled example.")
     if path.suffix != ".py":
@@ -222,7 +265,20 @@ def _results_dir(cfg: DictConfig) -> Path:
     return base
 
 
-def _check_writable(d: Path) -> None:
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _check_writable(d: Path, create: bool = True) -> None:
+    if not create:  # plan: the folder, or the nearest folder above it, must be writable; nothing is made
+        base = _nearest_existing(d)
+        try:
+            with tempfile.TemporaryFile(dir=base):
+                return
+        except OSError as e:
+            raise UserError(f"The directory {str(d)!r} cannot be written ({str(base)!r}: {e.strerror}).", "Set autotuning.results_dir (or exps_dir) to a folder you can write to.")
     try:
         d.mkdir(parents=True, exist_ok=True)
         probe = d / f".write-test-{os.getpid()}"
@@ -244,11 +300,16 @@ def _check_results_dir_owner(results_dir: Path, name: str, overwrite: bool) -> N
         )
 
 
-def _check_tracking_uri(uri: Optional[str]) -> None:
+def _check_tracking_uri(uri: Optional[str], create: bool = True) -> None:
     uri = uri or os.environ.get("MLFLOW_TRACKING_URI")
     if not uri:
         return
+    from urllib.parse import urlparse
+
     from mlflow.tracking._tracking_service.utils import _get_store
+
+    if not create and urlparse(uri).scheme in ("", "file", "sqlite"):
+        return  # opening these would create the store; plan writes nothing
 
     try:
         _get_store(uri)

@@ -17,6 +17,7 @@ class MicroBatchRule:
 
     mode: str
     values: Tuple[int, ...]
+    max: int = 1024  # autotuning.max_train_micro_batch_size_per_gpu: no candidate above it
 
 
 @dataclass
@@ -32,9 +33,23 @@ class TuningPlan:
     fast: bool
     base_config: Dict[str, Any]  # the user's ds_config: autotuning removed, "auto" resolved, tuned keys removed
     notices: List[str] = field(default_factory=list)  # one-line notices for the user (ignored keys, hints)
+    arg_mappings: Dict[str, str] = field(default_factory=dict)  # the user's, plus the HF Trainer's flags for "auto" batch keys
+    hf_trainer: bool = False  # a Hugging Face Trainer script: it resolves the ds_config's other "auto" values itself
+
+    @property
+    def micro_batch_max(self) -> int:
+        """autotuning.max_train_micro_batch_size_per_gpu (DeepSpeed's default 1024): the search stays at or below it."""
+        return self.micro_batch.max
 
 
 # ---- building the plan -----------------------------------------------------------------------
+HF_MAPPINGS = {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size", "gradient_accumulation_steps": "--gradient_accumulation_steps"}
+BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+UNUSED_KEYS = {
+    "metric_path": "mlautotune's probe writes each experiment's metrics.json itself",
+    "model_info": "mlautotune measures the parameter count and memory in its first experiments",
+    "model_info_path": "mlautotune measures the parameter count and memory in its first experiments",
+}
 TUNED_TOP_LEVEL = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "autotuning", "arg_mappings")
 KNOB_CODES = {
     "reduce_bucket_size": "rbs", "allgather_bucket_size": "agbs", "overlap_comm": "oc", "reduce_scatter": "rs",
@@ -44,10 +59,15 @@ KNOB_CODES = {
 }
 
 
-def build_plan(ds_config: Dict[str, Any], at: Any, space: Any, script_args: List[str], world_size: int) -> TuningPlan:
+def build_plan(ds_config: Dict[str, Any], at: Any, space: Any, script_args: List[str], world_size: int, hf_trainer: bool = False) -> TuningPlan:
     """The README's tuning-scope rules turned into plain data for the search."""
-    notices: List[str] = []
-    mappings = {k.strip(): v for k, v in dict(at.arg_mappings or {}).items()}
+    notices = [f"autotuning.{k} is accepted but not used: {why}." for k, why in UNUSED_KEYS.items() if at.get(k) is not None]
+    mappings = {k.strip(): v.strip() for k, v in dict(at.arg_mappings or {}).items()}
+    if hf_trainer or any(ds_config.get(k) == "auto" for k in BATCH_KEYS):
+        added = {k: v for k, v in HF_MAPPINGS.items() if k not in mappings}
+        mappings = {**HF_MAPPINGS, **mappings}  # the Trainer's (and the bundled workload's) own flags
+        if added and not hf_trainer:
+            notices.append("the ds_config uses \"auto\": " + ", ".join(f"{k} is passed as {v}" for k, v in added.items()) + " (the HF Trainer's flags); set autotuning.arg_mappings if the script uses other flags.")
     zero = ds_config.get("zero_optimization")
     zero = dict(zero) if isinstance(zero, dict) else {}
     stages = _stages(ds_config, zero, notices)
@@ -58,26 +78,72 @@ def build_plan(ds_config: Dict[str, Any], at: Any, space: Any, script_args: List
         knobs[s] = dict(defaults[s])
         for k, v in user_knobs.items():
             values = v if isinstance(v, list) else [v]
+            if not values:
+                raise UserError(f"zero_optimization.{k} is an empty list.", f"Give {k} a value, or a list of at least one.")
             for x in values:
-                if isinstance(x, bool) or isinstance(x, (int, float)):
+                if isinstance(x, bool) or isinstance(x, (int, float)) or (x == "auto" and hf_trainer):
                     continue
+                if x == "auto":
+                    raise UserError(f'zero_optimization.{k} is "auto", which only the Hugging Face Trainer fills in (this script does not use it).', f"Give {k} a number, or leave it out for DeepSpeed's default.")
                 raise UserError(f"zero_optimization.{k} has the value {x!r}, which is not a number or true/false.", f"Give {k} a number, a boolean, or a list of them.")
             knobs[s][k] = [_as_int(x) for x in values]
-    micro_batch = _micro_batch(ds_config.get("train_micro_batch_size_per_gpu"), mappings, script_args, notices)
+    fixed_zero = {k: v for k, v in zero.items() if isinstance(v, dict)}  # offload sections etc., carried unchanged
+    for s in stages:
+        check_zero_config(s, knobs[s], fixed_zero)
     gas = _gas(ds_config.get("gradient_accumulation_steps"), mappings, script_args)
+    mp = int(at.mp_size)
+    dp = max(1, world_size // mp)
+    micro_batch = _micro_batch(ds_config.get("train_micro_batch_size_per_gpu"), mappings, script_args, notices)
+    micro_batch = _bounded(micro_batch, at, gas * dp, notices)
     if "train_batch_size" in ds_config:
         notices.append("train_batch_size is ignored while tuning: it follows from micro-batch x gradient accumulation x GPUs (README).")
-    mp = int(at.mp_size)
-    smallest = min(micro_batch.values) * gas * max(1, world_size // mp)
+    smallest = min(micro_batch.values) * gas * dp
     if at.max_train_batch_size is not None and at.max_train_batch_size < smallest:
         raise UserError(
-            f"autotuning.max_train_batch_size={at.max_train_batch_size} is smaller than the smallest possible batch {smallest} (micro-batch {min(micro_batch.values)} x gradient accumulation {gas} x {world_size // mp} data-parallel ranks).",
+            f"autotuning.max_train_batch_size={at.max_train_batch_size} is smaller than the smallest possible batch {smallest} (micro-batch {min(micro_batch.values)} x gradient accumulation {gas} x {dp} data-parallel ranks).",
             f"Raise max_train_batch_size to at least {smallest}, or lower the micro-batch.",
         )
     base = {k: v for k, v in ds_config.items() if k not in TUNED_TOP_LEVEL}
-    fixed_zero = {k: v for k, v in zero.items() if isinstance(v, dict)}  # offload sections etc., carried unchanged
     base["zero_optimization"] = fixed_zero
-    return TuningPlan(stages, knobs, micro_batch, gas, at.max_train_batch_size, mp, bool(at.fast), base, notices)
+    return TuningPlan(stages, knobs, micro_batch, gas, at.max_train_batch_size, mp, bool(at.fast), base, notices, mappings, hf_trainer)
+
+
+def _bounded(rule: MicroBatchRule, at: Any, per_micro_batch: int, notices: List[str]) -> MicroBatchRule:
+    """DeepSpeed's bounds: min/max_train_micro_batch_size_per_gpu, and min_train_batch_size (micro-batch x gas x data-parallel ranks)."""
+    low = max(int(at.min_train_micro_batch_size_per_gpu), -(-int(at.min_train_batch_size) // per_micro_batch))
+    high = int(at.max_train_micro_batch_size_per_gpu)
+    bounds = f"[{low}, {high}] (autotuning.min/max_train_micro_batch_size_per_gpu, min_train_batch_size)"
+    if low > high:
+        raise UserError(f"No micro-batch size fits the bounds {bounds}.", "Lower min_train_batch_size or min_train_micro_batch_size_per_gpu, or raise max_train_micro_batch_size_per_gpu.")
+    if rule.mode == "min":
+        start = max(rule.values[0], low)
+        if start > high:
+            raise UserError(f"The smallest micro-batch to tune, {rule.values[0]}, is above autotuning.max_train_micro_batch_size_per_gpu={high}.", "Lower train_micro_batch_size_per_gpu, or raise max_train_micro_batch_size_per_gpu.")
+        return MicroBatchRule("min", (start,), high)
+    kept = tuple(m for m in rule.values if low <= m <= high)
+    if not kept:
+        raise UserError(f"None of the micro-batch sizes {list(rule.values)} is within {bounds}.", "Change the list or the bounds.")
+    if len(kept) < len(rule.values):
+        notices.append(f"micro-batch sizes outside {bounds} are left out: {sorted(set(rule.values) - set(kept))}.")
+    return MicroBatchRule(rule.mode, kept, high)
+
+
+def check_zero_config(stage: int, knobs: Dict[str, List[Any]], sections: Dict[str, Any]) -> None:
+    """Every knob value against DeepSpeed's own zero_optimization model (it forbids unknown keys), as each experiment will be."""
+    import pydantic
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    first = {k: v[0] for k, v in knobs.items() if v[0] != "auto"}
+    variants = [first] + [{**first, k: x} for k, values in knobs.items() for x in values[1:] if x != "auto"]
+    for variant in variants:
+        try:
+            DeepSpeedZeroConfig(**{**variant, **sections, "stage": stage})
+        except pydantic.ValidationError as e:
+            err = e.errors()[0]
+            key = ".".join(str(p) for p in err["loc"]) or "?"
+            if err["type"] == "extra_forbidden":
+                raise UserError(f"zero_optimization.{key} is not a DeepSpeed ZeRO setting; DeepSpeed would refuse every experiment.", "Check its spelling against DeepSpeed's zero_optimization documentation (e.g. reduce_bucket_size, overlap_comm, contiguous_gradients).")
+            raise UserError(f"zero_optimization.{key}={err.get('input')!r} is refused by DeepSpeed at stage {stage}: {err['msg']}.", f"Give {key} a value DeepSpeed accepts.")
 
 
 def _stages(ds_config, zero, notices):
@@ -88,6 +154,8 @@ def _stages(ds_config, zero, notices):
     if stage == "all":
         return [0, 1, 2, 3]
     values = stage if isinstance(stage, list) else [stage]
+    if not values:
+        raise UserError("zero_optimization.stage is an empty list.", 'Use 0, 1, 2 or 3, a list of them, or "all".')
     for s in values:
         if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= 3:
             raise UserError(f"zero_optimization.stage={stage!r} is not a ZeRO stage.", 'Use 0, 1, 2 or 3, a list of them, or "all".')
@@ -199,15 +267,12 @@ def plan_text(plan: TuningPlan) -> str:
     rule = {"min": f"from {plan.micro_batch.values[0]} up to the largest that fits", "list": f"exactly {list(plan.micro_batch.values)}", "fixed": f"fixed at {plan.micro_batch.values[0]}"}[plan.micro_batch.mode]
     lines = [
         f"stages: {plan.stages}  ({'fast mode: stage and micro-batch only' if plan.fast else 'full mode: ZeRO knobs too'})",
-        f"micro-batch per GPU: {rule}",
+        f"micro-batch per GPU: {rule} (at most {plan.micro_batch_max})",
         f"gradient accumulation: {plan.gas}",
         f"max_train_batch_size: {plan.max_train_batch_size}   mp_size: {plan.mp_size}",
     ]
-    names = []
     for s in plan.stages:
         tuned = tuned_knobs(plan, s)
         combos = knob_combos(plan, s)
         lines.append(f"z{s}: {len(combos)} knob combination(s) per micro-batch" + ("; tuned: " + ", ".join(f"{k} {v}" for k, v in tuned.items()) if tuned else ""))
-        names += [experiment_name(s, plan.gas, m, c) for m in plan.micro_batch.values for c in combos[:3]]
-    lines.append("first experiments: " + ", ".join(names[:5]))
     return "\n".join(lines)

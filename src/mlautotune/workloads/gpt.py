@@ -9,6 +9,7 @@ Nothing is downloaded: the tokens are random, made here from --seed.
 import argparse
 import json
 import math
+import sys
 
 import deepspeed
 import torch
@@ -81,7 +82,18 @@ def parse_args():
     p.add_argument("--log_interval", type=int, default=10)
     p.add_argument("--local_rank", type=int, default=-1)
     p = deepspeed.add_config_arguments(p)
-    return p.parse_args()
+    return p.parse_args(hf_style_deepspeed_flag(sys.argv[1:]))
+
+
+def hf_style_deepspeed_flag(argv):
+    """Accept the Hugging Face form `--deepspeed ds.json` too (DeepSpeed's is `--deepspeed --deepspeed_config ds.json`)."""
+    out = []
+    for i, a in enumerate(argv):
+        if a == "--deepspeed" and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+            out += ["--deepspeed", "--deepspeed_config"]
+        else:
+            out.append(a)
+    return out
 
 
 def load_ds_config(args):
