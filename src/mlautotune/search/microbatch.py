@@ -1,0 +1,144 @@
+"""The micro-batch search along one line (a stage with fixed knobs): the memory edge, then the
+throughput peak, which need not be at the edge (CPU runs, communication-bound ones).
+
+Pure functions of what was measured on the line. The peak search brackets the best micro-batch on
+a log scale and prices every unmeasured stretch optimistically: throughput against log(micro-batch)
+is taken to be concave (rising with diminishing returns, then falling), so between and beyond
+measured points it lies under the lines through neighbouring pairs. Points of a reference line (the
+same stage's default knobs, or a lower stage) scaled to this line fill in where it has too few of
+its own. A stretch whose optimistic value cannot beat the target is never probed.
+"""
+
+import math
+from typing import Dict, List, Optional, Sequence, Set, Tuple
+
+Point = Tuple[int, float]  # (micro-batch, value)
+DENSE_UP_TO = 64  # every integer up to this is a candidate; above it, 160 log-spaced sizes
+EDGE_TOLERANCE = 20  # the edge is known once the smallest OOM is within 1/20 (5%) of the largest run
+
+
+def edge_probe(ok: Sequence[int], ooms: Sequence[int], low: int, cap: Optional[int], predicted: Optional[int]) -> Optional[int]:
+    """The next micro-batch to try on the way to the largest that fits, or None once it is known:
+    within 5%, at the cap, or where the memory model (calibrated on the largest run) says nothing
+    larger fits. With a model: predict, verify, and bisect once both a run and an OOM are known
+    (a model calibrated on the run creeps up one at a time). Without one: double, then bisect."""
+    lo = max(ok) if ok else None
+    hi = min(ooms) if ooms else None
+    if hi is not None and hi <= low:
+        return None
+    if lo is not None and ((hi is not None and hi <= lo + max(1, lo // EDGE_TOLERANCE)) or (cap is not None and lo >= cap)):
+        return None
+    floor = lo + 1 if lo is not None else low
+    bounds = [x for x in (hi - 1 if hi is not None else None, cap) if x is not None]
+    ceiling = min(bounds) if bounds else None
+    if ceiling is not None and ceiling < floor:
+        return None
+    if predicted is not None:
+        if lo is not None and predicted <= lo:
+            return None
+        guess = max(floor, predicted)
+        if ceiling is not None:
+            guess = min(guess, ceiling)
+        if lo is not None and hi is not None:
+            guess = max(guess, (lo + hi) // 2)
+        if hi is not None and len(ooms) >= 2:
+            guess = min(guess, max(floor, (floor + hi) // 2))  # wrong twice here: bisect rather than walk down
+        return guess
+    if hi is None:
+        guess = low if lo is None else lo * 2
+        return min(guess, ceiling) if ceiling is not None else guess
+    return (lo + hi) // 2 if lo is not None else max(low, hi // 2)
+
+
+def sizes_between(low: int, high: int, allowed: Optional[Sequence[int]] = None) -> List[int]:
+    """Candidate micro-batches in [low, high]: the allowed list if given, else every integer up to
+    64 and log-spaced sizes above."""
+    if allowed is not None:
+        return sorted(m for m in set(allowed) if low <= m <= high)
+    sizes = set(range(low, min(high, DENSE_UP_TO) + 1))
+    if high > DENSE_UP_TO:
+        base = max(low, DENSE_UP_TO)
+        sizes |= {round(base * (high / base) ** (i / 160)) for i in range(161)}
+    return sorted(m for m in sizes if low <= m <= high)
+
+
+def _line(a: Point, b: Point, m: int) -> float:
+    xa, xb, x = math.log(a[0]), math.log(b[0]), math.log(m)
+    return a[1] + (b[1] - a[1]) * (x - xa) / (xb - xa)
+
+
+def concave_bound(points: Sequence[Point], m: int) -> float:
+    """The largest value at m of a curve concave in log(micro-batch) through the points: under the
+    line through the two points left of m extended right, and the two right of m extended left.
+    Infinite where neither pair exists."""
+    pts = sorted(points)
+    for pm, v in pts:
+        if pm == m:
+            return v
+    left = [p for p in pts if p[0] < m]
+    right = [p for p in pts if p[0] > m]
+    bounds = []
+    if len(left) >= 2:
+        bounds.append(_line(left[-2], left[-1], m))
+    if len(right) >= 2:
+        bounds.append(_line(right[0], right[1], m))
+    return min(bounds) if bounds else math.inf
+
+
+def scaled_reference(own: Sequence[Point], reference: Sequence[Point], prior_ratio: float) -> List[Point]:
+    """The reference line's points scaled to this line (by the best ratio seen where both were
+    measured, else prior_ratio), at the sizes this line has not measured."""
+    ref = dict(reference)
+    ratios = [v / ref[m] for m, v in own if m in ref and ref[m] > 0]
+    if not ratios and own and len(reference) >= 1:
+        ratios = [v / b for m, v in own if (b := concave_bound(reference, m)) not in (math.inf, 0) and b > 0]
+    ratio = max(ratios) if ratios else prior_ratio
+    mine = {m for m, _ in own}
+    return [(m, v * ratio) for m, v in reference if m not in mine]
+
+
+def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Sequence[int], taken: Set[int], target: float,
+               prior_ratio: float = 1.0, high_probe: Optional[int] = None) -> Tuple[Optional[int], float]:
+    """The next micro-batch to measure on this line and its optimistic value, or (None, best bound)
+    when no unmeasured stretch can beat `target`.
+
+    Stretches lie between this line's measured sizes. Each is priced by the highest optimistic value
+    of its candidates (own points plus the scaled reference), and the best-priced one is probed: at
+    its log-midpoint, at half the smallest size for the stretch below everything measured, and at
+    `high_probe` (the edge search's next size) or its top for the stretch above."""
+    free = [m for m in candidates if m not in taken]
+    if not free:
+        return None, -math.inf
+    pts = list(own) + scaled_reference(own, reference, prior_ratio)
+    if not own and not pts:
+        return (high_probe if high_probe in free else max(free)), math.inf
+    sizes = sorted(m for m, _ in own)
+    stretches: Dict[Tuple[int, int], List[int]] = {}
+    for m in free:
+        below = max((s for s in sizes if s < m), default=0)
+        above = min((s for s in sizes if s > m), default=0)
+        stretches.setdefault((below, above), []).append(m)
+    best: Tuple[Optional[int], float] = (None, -math.inf)
+    for (below, above), ms in sorted(stretches.items()):
+        bound = max(_bound(pts, m) for m in ms)
+        if bound <= best[1]:
+            continue
+        if above == 0 and below == 0:
+            pick = max(ms) if high_probe is None or high_probe not in ms else high_probe
+            if pts:
+                pick = max(ms, key=lambda m: (_bound(pts, m), m))
+        elif above == 0:
+            pick = high_probe if high_probe in ms else max(ms)
+        elif below == 0:
+            pick = min(ms, key=lambda m: (abs(math.log(m / (above / 2))), -m))
+        else:
+            mid = math.sqrt(below * above)
+            pick = min(ms, key=lambda m: (abs(math.log(m / mid)), -m))
+        best = (pick, bound)
+    if best[0] is None or best[1] <= target:
+        return None, best[1]
+    return best
+
+
+def _bound(points: Sequence[Point], m: int) -> float:
+    return concave_bound(points, m)

@@ -1,0 +1,287 @@
+"""The strategy: which configuration to measure next, decided afresh from everything the study holds.
+
+`Strategy.next(ledger)` is a function of the measured and pending trials (and the seed), so a
+resumed session, or a second worker on the same study, takes up the search where it stands.
+
+1. Profiling: the first stage at the smallest micro-batch, and if that runs out of memory, the
+   stage that keeps the least per rank; then a second size of the stage that ran. The memory model
+   comes from the first successful run of any stage. A stage whose model states alone cannot fit,
+   or that is predicted to OOM at the smallest micro-batch, is skipped with no experiment.
+2. Micro-batch per stage (default knobs): the first stage finds its memory edge, then its
+   throughput peak (microbatch.py). A higher stage starts from the lower stage's line as a prior
+   (a little faster at most at the same micro-batch, and beyond the lower stage's edge only what
+   the line's own trend promises); one run tells how it compares.
+3. Knobs, most promising stage first: at the stage's best micro-batch, the tuner chooses among the
+   untried knob combinations (model_based: the XGBoost cost model with feasibility).
+4. Joint refinement: the stage's best knobs get their own micro-batch search (their own memory
+   edge too), with the default knobs' line as the prior.
+5. Noise: a disturbed leader is re-measured before it can win; near-ties (within their intervals)
+   are re-measured until they separate or `remeasure` repeats are done.
+
+One global stop rule gates every step: a candidate is measured only if its optimistic value beats
+the incumbent by more than the incumbent's measurement interval. Nothing left -> the search ends.
+"""
+
+import statistics
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+from mlautotune.memory import MemoryModel
+from mlautotune.samplers import make_chooser
+from mlautotune.samplers.cost_model import CostModel
+from mlautotune.search.candidates import base_knobs, base_params, knobs_of_params, micro_batch_cap, params_key, stage_knob_combos, with_knobs
+from mlautotune.search.ledger import Ledger, Measured
+from mlautotune.search.microbatch import Point, edge_probe, peak_probe, scaled_reference, sizes_between
+from mlautotune.search.settings import SearchSettings
+from mlautotune.space import TuningPlan
+
+STAGE_SLACK = 0.05  # a higher stage may be this much faster than a lower one at the same micro-batch (a partitioned optimizer step)
+KNOB_PRIOR = 0.25  # what knobs the cost model has not yet seen varied might be worth
+MODEL_SLACK = 0.02  # the cost model's prediction is optimistic by this much beyond the noise
+MIN_MARGIN = 0.005
+MAX_TIE_TOLERANCE = 0.10  # leaders further apart than this are not near-ties, whatever the interval
+PROFILE_FACTOR = 4  # the second profiling point: this many times the smallest micro-batch
+
+
+@dataclass
+class Step:
+    params: Dict[str, Any]
+    why: str
+    repeat_of: Optional[Measured] = None
+
+
+class Strategy:
+    def __init__(self, plan: TuningPlan, settings: SearchSettings):
+        self.plan, self.s = plan, settings
+        self.chooser = make_chooser(settings.tuner_type, settings.seed, settings.sampler_target)
+        self.cap = micro_batch_cap(plan, settings.world_size)
+        self.low = min(plan.micro_batch.values)
+        self.notes: List[str] = []
+        self.memory: Optional[MemoryModel] = None
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+    # ---- scores: higher is better whatever the metric -----------------------------------------
+    def score(self, value: Optional[float]) -> Optional[float]:
+        if value is None:
+            return None
+        return value if self.s.maximize else 1.0 / max(value, 1e-12)
+
+    def best(self, runs: List[Measured]) -> Optional[Measured]:
+        ok = [m for m in runs if m.value is not None]
+        return max(ok, key=lambda m: self.score(m.final_value)) if ok else None
+
+    # ---- the next step ------------------------------------------------------------------------------
+    def next(self, ledger: Ledger) -> Optional[Step]:
+        runs, taken = ledger.order, ledger.taken()
+        self.memory = self._memory_model(runs)
+        step = self._profile_step(runs, taken)
+        if step is not None or not any(m.ok for m in runs):
+            return step
+        best = self.best(runs)
+        if best is not None and best.disturbed and self.s.remeasure > 0:
+            return Step(best.params, f"{best.result.name} was disturbed: re-measured before it can win", repeat_of=best)
+        target = self.score(best.final_value) * (1 + self._margin(runs, best)) if best else 0.0
+        stages = [s for s in self.plan.stages if self._feasible(s)]
+        for stage in stages:
+            step = self._micro_batch_step(stage, runs, taken, target)
+            if step is not None:
+                return step
+        by_promise = sorted(stages, key=lambda s: -(self.score((self._stage_best(runs, s) or best).final_value) or 0))
+        for stage in by_promise:
+            step = self._knob_step(stage, runs, taken, target, ledger) or self._joint_step(stage, runs, taken, target)
+            if step is not None:
+                return step
+        return self._remeasure_step(runs)
+
+    def _margin(self, runs: List[Measured], best: Measured) -> float:
+        intervals = [m.interval for m in runs if m.ok]
+        return max(best.interval or (statistics.median(intervals) if intervals else 0.0), MIN_MARGIN)
+
+    # ---- profiling and the memory model -------------------------------------------------------------
+    def _memory_model(self, runs: List[Measured]) -> Optional[MemoryModel]:
+        info = next((m.result.metrics for m in runs if m.ok and m.result.metrics.get("num_params")), None)
+        if info is None:
+            return None
+        model = MemoryModel(
+            num_params=int(info["num_params"]), trainable_params=int(info.get("trainable_num_params", info["num_params"])),
+            ds_config=self.plan.base_config, world_size=self.s.world_size, mp_size=self.plan.mp_size,
+            limit_bytes=int(self.s.memory_limit_bytes or 0) or None, device=self.s.device,
+        )
+        for m in runs:  # knobs change memory (buckets): the model learns from default-knob runs only
+            peak = m.result.metrics.get("peak_memory_bytes")
+            if m.result.status in ("ok", "oom") and knobs_of_params(m.params) == base_knobs(self.plan, m.params["stage"]):
+                model.observe(m.params["stage"], m.params["micro_batch"], int(peak) if peak else None, m.result.status == "oom")
+        return model
+
+    def _profile_step(self, runs: List[Measured], taken: set) -> Optional[Step]:
+        """Until a run succeeds: the first stage at the smallest micro-batch, then the stage that keeps
+        the least per rank, then the others. Then a second size of a stage that ran, for the slope."""
+        if self.memory is None and any(m.ok for m in runs):
+            return None  # runs without a parameter count (no memory model): micro-batches by doubling
+        stages = self.plan.stages
+        if self.memory is None:
+            for stage in dict.fromkeys([stages[0], stages[-1], *stages[1:-1]]):
+                p = base_params(self.plan, stage, self.low)
+                if params_key(p) not in taken:
+                    return Step(p, "profiling: model info and a first memory point")
+            return None
+        if self.plan.micro_batch.mode != "min" or self.memory.per_sample_measured():
+            return None
+        first = next(m for m in runs if m.ok)
+        mbs = first.params["micro_batch"] * PROFILE_FACTOR
+        p = with_knobs(self.plan, first.params["stage"], mbs, knobs_of_params(first.params))
+        if (self.cap is not None and mbs > self.cap) or params_key(p) in taken:
+            return None
+        return Step(p, "profiling: a second memory point for the per-sample slope")
+
+    def _feasible(self, stage: int) -> bool:
+        m = self.memory
+        if m is None:
+            return True
+        if m.limit and m.model_states(stage) > m.limit:
+            self.note(f"z{stage}: skipped, its model states alone ({m.model_states(stage) / 2**30:.2f} GiB/rank) exceed the memory limit")
+            return False
+        if not m.fits(stage, self.low):
+            self.note(f"z{stage}: skipped, the memory model predicts OOM at micro-batch {self.low}")
+            return False
+        return True
+
+    # ---- one line: a stage with fixed knobs, along the micro-batch ------------------------------------
+    def _line(self, runs: List[Measured], stage: int, knobs: Dict[str, Any]) -> Tuple[List[Point], List[int], List[int]]:
+        same = [m for m in runs if m.params["stage"] == stage and knobs_of_params(m.params) == knobs]
+        own = [(m.params["micro_batch"], self.score(m.final_value)) for m in same if m.value is not None]
+        ooms = [m.params["micro_batch"] for m in same if m.result.status == "oom"]
+        return own, ooms, [m.params["micro_batch"] for m in same]
+
+    def _taken_sizes(self, stage: int, knobs: Dict[str, Any], taken: set, sizes: List[int]) -> set:
+        return {m for m in sizes if params_key(with_knobs(self.plan, stage, m, knobs)) in taken}
+
+    def _candidates(self, stage: int, high: int) -> List[int]:
+        rule = self.plan.micro_batch
+        if rule.mode == "fixed":
+            return list(rule.values)
+        allowed = [m for m in rule.values if self.memory is None or self.memory.fits(stage, m)] if rule.mode == "list" else None
+        return sizes_between(self.low, min(high, self.cap or high), allowed)
+
+    def _reference(self, runs: List[Measured], stage: int) -> List[Point]:
+        """The best line of the nearest lower stage that ran, completed where it has no points of
+        its own by the line below it, scaled (empty for the lowest stage that ran)."""
+        for lower in sorted((s for s in self.plan.stages if s < stage), reverse=True):
+            b = self._stage_best(runs, lower)
+            if b is not None:
+                own = self._line(runs, lower, knobs_of_params(b.params))[0]
+                return own + scaled_reference(own, self._reference(runs, lower), 1.0)
+        return []
+
+    def _edge(self, own: List[Point], ooms: List[int], stage: int, predicted: Optional[int] = None) -> Optional[int]:
+        if self.plan.micro_batch.mode != "min":
+            return None
+        if predicted is None and self.memory is not None:
+            predicted = self.memory.max_micro_batch(stage, cap=self.cap)
+        return edge_probe([m for m, _ in own], ooms, self.low, self.cap, predicted)
+
+    def _micro_batch_step(self, stage: int, runs: List[Measured], taken: set, target: float) -> Optional[Step]:
+        knobs = base_knobs(self.plan, stage)
+        own, ooms, _ = self._line(runs, stage, knobs)
+        reference = self._reference(runs, stage)
+        edge = self._edge(own, ooms, stage)
+        if not reference and edge is not None:
+            p = with_knobs(self.plan, stage, edge, knobs)
+            if params_key(p) not in taken:
+                return Step(p, f"z{stage}: the memory edge")
+        return self._line_step(stage, knobs, own, ooms, reference, edge, taken, target, 1 + STAGE_SLACK if reference else 1.0)
+
+    def _line_step(self, stage, knobs, own, ooms, reference, edge, taken, target, prior_ratio) -> Optional[Step]:
+        high = max([m for m, _ in own] + [edge or 0, self.low] + (list(self.plan.micro_batch.values) if self.plan.micro_batch.mode != "min" else []))
+        if ooms:
+            high = min(high, min(ooms) - 1)
+        candidates = self._candidates(stage, high)
+        taken_sizes = self._taken_sizes(stage, knobs, taken, candidates) | set(ooms)
+        mbs, bound = peak_probe(own, reference, candidates, taken_sizes, target, prior_ratio, high_probe=edge)
+        if mbs is None:
+            return None
+        return Step(with_knobs(self.plan, stage, mbs, knobs), f"z{stage}: micro-batch {mbs} may reach {bound:.4g}")
+
+    # ---- knobs, then the best knobs' own micro-batch -------------------------------------------------
+    def _stage_best(self, runs: List[Measured], stage: int) -> Optional[Measured]:
+        return self.best([m for m in runs if m.params["stage"] == stage])
+
+    def _knob_step(self, stage: int, runs: List[Measured], taken: set, target: float, ledger: Ledger) -> Optional[Step]:
+        combos = stage_knob_combos(self.plan, stage)
+        best = self._stage_best(runs, stage)
+        if len(combos) < 2 or best is None:
+            return None
+        base = base_knobs(self.plan, stage)
+        base_line = [m for m in runs if m.params["stage"] == stage and knobs_of_params(m.params) == base and m.value is not None]
+        at = max(base_line, key=lambda m: self.score(m.final_value)).params["micro_batch"] if base_line else best.params["micro_batch"]
+        untried = [p for k in combos if params_key(p := with_knobs(self.plan, stage, at, k)) not in taken]
+        if not untried:
+            return None
+        knob_runs = [m for m in runs if m.params["stage"] == stage and m.params["micro_batch"] == at and knobs_of_params(m.params) != base]
+        if self._since_improvement(knob_runs, best) >= self.s.early_stopping:
+            self.note(f"z{stage}: early stop of the knob search after {self.s.early_stopping} experiments without improvement")
+            return None
+        promise = self._knob_promise(stage, untried, runs, best)
+        if promise <= target:
+            self.note(f"z{stage}: no untried knob combination is predicted to beat the incumbent by more than the noise")
+            return None
+        choice = self.chooser.choose(untried, [m for m in runs if m.result.status in ("ok", "oom")], self.s.maximize, ledger.experiments)
+        return Step(choice, f"z{stage}: knobs at micro-batch {at} ({self.chooser.last_choice})")
+
+    def _since_improvement(self, knob_runs: List[Measured], best: Measured) -> int:
+        later = [m for m in knob_runs if m.trial_number > best.trial_number]
+        return len(later)
+
+    def _knob_promise(self, stage: int, untried: List[Dict[str, Any]], runs: List[Measured], best: Measured) -> float:
+        """Optimistic value of the stage's untried knob combinations: a prior while some knob has not
+        been seen at each of its values in any run, else the cost model's best prediction."""
+        ok = [m for m in runs if m.value is not None]
+        seen = {(k, repr(v)) for m in ok for k, v in knobs_of_params(m.params).items()}
+        unseen = any((k, repr(v)) not in seen for p in untried for k, v in knobs_of_params(p).items())
+        stage_best = self.score(best.final_value)
+        if unseen:
+            return stage_best * (1 + KNOB_PRIOR)
+        model = CostModel(seed=self.s.seed).fit([m.params for m in ok], [self.score(m.final_value) for m in ok])
+        return float(max(model.predict(untried))) * (1 + self._margin(runs, best) + MODEL_SLACK)
+
+    def _joint_step(self, stage: int, runs: List[Measured], taken: set, target: float) -> Optional[Step]:
+        """The stage's best knobs along the micro-batch: its own edge (knobs change memory) from its
+        measured peak, and the default knobs' line as the prior."""
+        best = self._stage_best(runs, stage)
+        base = base_knobs(self.plan, stage)
+        if best is None or knobs_of_params(best.params) == base:
+            return None
+        knobs = knobs_of_params(best.params)
+        own, ooms, _ = self._line(runs, stage, knobs)
+        reference = self._line(runs, stage, base)[0]
+        predicted = None
+        peak = best.result.metrics.get("peak_memory_bytes")
+        if self.memory is not None and self.memory.limit and self.memory.per_sample and peak:
+            predicted = best.params["micro_batch"] + int((self.memory.limit - peak) / self.memory.per_sample)
+        edge = self._edge(own, ooms, stage, predicted) if predicted is not None else None
+        return self._line_step(stage, knobs, own, ooms, reference, edge, taken, target, 1.0)
+
+    # ---- noise -------------------------------------------------------------------------------------------
+    def _remeasure_step(self, runs: List[Measured]) -> Optional[Step]:
+        """Leaders whose values overlap within their intervals are measured again, one round at a
+        time, until they separate or each has `remeasure` repeats."""
+        ok = sorted((m for m in runs if m.value is not None), key=lambda m: -self.score(m.final_value))
+        if len(ok) < 2 or self.s.remeasure <= 0:
+            return None
+        lead = ok[0]
+        ties = [m for m in ok[1:3] if self._tied(lead, m)]
+        if not ties:
+            return None
+        for round_ in range(1, self.s.remeasure + 1):
+            for m in [lead, *ties]:
+                if len(m.repeats) < round_:
+                    self.note("re-measuring near-tied leaders: " + ", ".join(x.result.name for x in [lead, *ties]))
+                    return Step(m.params, f"near-tie with {lead.result.name}", repeat_of=m)
+        return None
+
+    def _tied(self, lead: Measured, other: Measured) -> bool:
+        a, b = self.score(lead.final_value), self.score(other.final_value)
+        return (a - b) / a <= min(lead.interval + other.interval, MAX_TIE_TOLERANCE)
