@@ -1,23 +1,30 @@
 """Landscapes for the replay benchmark: files of measured (or modelled) points, and a runner that
-"runs" an experiment by looking it up.
+"runs" an experiment by looking it up. Nothing here imports the product.
 
 A landscape file is JSON: a header (name, description, source, world_size, memory_limit_bytes,
 metric, the plan: stages, micro_batch rule, gas, knobs per stage, fast) and `points`, each
-{"params": {...}, "status": ..., "metrics": {...}, "wall_time_s": ...}. Lookup is by exact params.
-Points that are not in the file (a micro-batch between two recorded ones) are answered by the
-landscape's own model when it has one (synthetic landscapes: synthetic.evaluate). Recorded
-landscapes use `interpolation`: step time, peak memory and wall time linear in the micro-batch
-between the two recorded neighbours with the same stage and knobs (extrapolated from the last two
-beyond the largest that ran), OOM at or above a recorded OOM or where the peak passes the limit.
+{"params": {...}, "status": ..., "metrics": {...}, "wall_time_s": ...}.
+
+Two kinds:
+- GPU-like (`"generator": "gpu_model"`, benchmarks/gpu_model.py): the header carries the model
+  and its noise. Every measurement, re-measurements included, is a fresh noisy draw (seeded by
+  the runner's seed); the noise-free values are `true_<metric>`. Points outside the stored grid
+  (another micro-batch or gas) come from the same model.
+- recorded on CPU (benchmarks/record.py): one measurement per point and no noise model, so a
+  re-measurement returns the recorded value again, and the recorded value is the "true" one.
+  A micro-batch between recorded ones is interpolated (`interpolation`): step time, peak memory
+  and wall time linear in the micro-batch between the two recorded neighbours with the same
+  stage and knobs (extrapolated from the last two beyond the largest that ran), OOM at or above a
+  recorded OOM or where the peak passes the limit. A gas other than the recorded one keeps the
+  samples/s of the recorded gas (the step takes gas times as long).
 """
 
 import json
+import random
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from mlautotune.experiment import Experiment, Resources, Result
-from mlautotune.samplers.cost_model import knobs_of
-from mlautotune.space import MicroBatchRule, TuningPlan
+Answer = Tuple[str, Dict[str, Any], float]  # status, metrics, wall time in s
 
 
 def key(params: Dict[str, Any]) -> str:
@@ -32,51 +39,63 @@ def save(path: Path, landscape: Dict[str, Any]) -> None:
     Path(path).write_text(json.dumps(landscape, separators=(",", ":")))
 
 
-def plan_of(landscape: Dict[str, Any]) -> TuningPlan:
-    p = landscape["plan"]
-    return TuningPlan(
-        stages=list(p["stages"]),
-        knobs={int(s): v for s, v in p["knobs"].items()},
-        micro_batch=MicroBatchRule(p["micro_batch"]["mode"], tuple(p["micro_batch"]["values"])),
-        gas=p["gas"],
-        max_train_batch_size=p.get("max_train_batch_size"),
-        mp_size=1,
-        fast=p["fast"],
-        base_config=p.get("base_config", {}),
-    )
+def knobs_of(params: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: v for k, v in params.items() if k != "micro_batch"}
 
 
-def make_experiment(params: Dict[str, Any]) -> Experiment:
-    name = f"z{params['stage']}_gas{params['gas']}_tmbspg{params['micro_batch']}"
-    return Experiment(name, {}, "replay", [], Resources(), dict(params))
+def noisy(landscape: Dict[str, Any]) -> bool:
+    return landscape.get("generator") == "gpu_model"
+
+
+def truth(landscape: Dict[str, Any]) -> Callable[[Dict[str, Any]], Answer]:
+    """params -> (status, noise-free metrics, wall time): the landscape's model, else its points."""
+    if noisy(landscape):
+        import gpu_model
+
+        return lambda params: gpu_model.true_point(landscape["model"], params)
+    points = {key(p["params"]): p for p in landscape["points"]}
+    between = interpolation(landscape)
+
+    def answer(params: Dict[str, Any]) -> Answer:
+        p = points.get(key(params))
+        return (p["status"], dict(p["metrics"]), p["wall_time_s"]) if p else between(params)
+
+    return answer
 
 
 class LandscapeRunner:
-    def __init__(self, landscape: Dict[str, Any], model=None):
-        self.points = {key(p["params"]): p for p in landscape["points"]}
-        self.model = model  # params -> (status, metrics, wall_time_s), for points between recorded ones
-        self.calls = 0
+    """Runs experiments on a landscape: `measure(params)` returns (status, metrics, wall time) and
+    logs the call; `true_value(params)` is the noise-free metric (None unless ok)."""
+
+    def __init__(self, landscape: Dict[str, Any], seed: int = 0):
+        self.landscape = landscape
+        self.truth = truth(landscape)
+        self.rng = random.Random(f"noise-{seed}")
+        self.log: List[Dict[str, Any]] = []  # one entry per measurement, in order
         self.wall_time_s = 0.0
-        self.startup_s = landscape.get("startup_s", 60.0)
 
-    def __call__(self, exp: Experiment) -> Result:
-        self.calls += 1
-        point = self.points.get(key(exp.params))
-        if point is None and self.model is not None:
-            status, metrics, wall = self.model(exp.params)
-            point = self.points[key(exp.params)] = {"params": dict(exp.params), "status": status, "metrics": metrics, "wall_time_s": wall}
-        if point is None:
-            self.wall_time_s += self.startup_s
-            return Result(exp.name, "oom", {}, "beyond the recorded grid", self.startup_s)
-        self.wall_time_s += point["wall_time_s"]
-        return Result(exp.name, point["status"], dict(point["metrics"]), point.get("reason", ""), point["wall_time_s"])
+    def measure(self, params: Dict[str, Any]) -> Answer:
+        status, metrics, wall = self.truth(params)
+        if noisy(self.landscape) and status == "ok":
+            import gpu_model
 
-    def value(self, params: Dict[str, Any], metric_key: str = "throughput"):
-        point = self.points.get(key(params))
-        return point["metrics"].get(metric_key) if point and point["status"] == "ok" else None
+            metrics = gpu_model.noisy(metrics, self.rng)
+        self.wall_time_s += wall
+        self.log.append({"params": dict(params), "status": status, "value": self.true_value(params), "wall_time_s": wall})
+        return status, metrics, wall
+
+    @property
+    def calls(self) -> int:
+        return len(self.log)
+
+    def true_value(self, params: Optional[Dict[str, Any]], metric: str = "throughput") -> Optional[float]:
+        if not params:
+            return None
+        status, metrics, _ = self.truth(params)
+        return metrics.get(f"true_{metric}", metrics.get(metric)) if status == "ok" else None
 
 
-def interpolation(landscape: Dict[str, Any]) -> Callable[[Dict[str, Any]], Tuple[str, Dict[str, Any], float]]:
+def interpolation(landscape: Dict[str, Any]) -> Callable[[Dict[str, Any]], Answer]:
     """params -> (status, metrics, wall_time_s) for a micro-batch between recorded ones (see the module doc)."""
     limit = landscape["memory_limit_bytes"]
     world = landscape["world_size"]
@@ -84,9 +103,20 @@ def interpolation(landscape: Dict[str, Any]) -> Callable[[Dict[str, Any]], Tuple
     for p in landscape["points"]:
         groups.setdefault(key(knobs_of(p["params"])), []).append(p)
 
-    def answer(params: Dict[str, Any]):
+    def answer(params: Dict[str, Any]) -> Answer:
         mbs = params["micro_batch"]
-        group = groups.get(key(knobs_of(params)), [])
+        group = groups.get(key(knobs_of(params)))
+        if group is None:  # another gas: the recorded gas's samples/s, a step gas times as long
+            other = [g for g in groups.values() if key(knobs_of({**g[0]["params"], "gas": params["gas"]})) == key(knobs_of(params))]
+            if other:
+                recorded_gas = other[0][0]["params"]["gas"]
+                status, metrics, wall = answer({**params, "gas": recorded_gas})
+                if status == "ok":
+                    f = params["gas"] / recorded_gas
+                    metrics = {**metrics, "latency": metrics["latency"] * f, "step_time_median_ms": metrics["latency"] * f,
+                               "train_batch_size": mbs * params["gas"] * world, "gas": params["gas"]}
+                return status, metrics, wall
+            group = []
         ok = sorted((p for p in group if p["status"] == "ok"), key=lambda p: p["params"]["micro_batch"])
         ooms = [p["params"]["micro_batch"] for p in group if p["status"] == "oom"]
         startup = min((p["wall_time_s"] for p in group), default=landscape.get("startup_s", 60.0))

@@ -1,119 +1,131 @@
-"""Replay benchmark: the product search (mlautotune.search.Tuner, with only its runner swapped for
-a landscape lookup) against each landscape, for every tuner type.
+"""Replay benchmark: the product's search, with only its runner swapped for a landscape lookup,
+and a model of DeepSpeed's own autotuner (ds_baseline.py), against landscapes.
 
-    python benchmarks/replay.py [--seeds 3] [landscape.json ...]
+    python benchmarks/replay.py [LANDSCAPE.json ...] [--seeds 5] [--json OUT.json]
 
-Per strategy: experiments to reach 95% / 99% of the landscape's best, the final regret
-(1 - true value of the declared optimum / best), experiments run and wall time spent (failures
-included). Medians over seeds. `deepspeed_baseline` is benchmarks/ds_baseline.py, DeepSpeed's own
-algorithm as the facts file describes it, against the same landscapes.
+Without landscapes, every file in benchmarks/landscapes/. The product runs with its own defaults
+(conf/: remeasure 2, tuner_early_stopping 5, tuner_num_trials 50, ...), once per tuner type
+(model_based, gridsearch, random) and seed. On GPU-like landscapes every measurement, each
+re-measurement included, is a fresh noisy draw (seeded); recorded CPU landscapes have no noise
+model, so a re-measurement returns the recorded value.
+
+Scored against the noise-free value (`true_<metric>`; the recorded value on CPU landscapes):
+- to95 / to99: the experiments run until one of them is within 95% / 99% of the landscape's best
+  (null: never);
+- regret: 1 - true value of the declared optimum / best (1.0 when nothing is declared);
+- experiments (launches, failures and re-measurements included), wall hours (the same), and the
+  wall hours until 99% was reached.
+--json writes one record per landscape x strategy x seed; the tables (tables.py) count "never"
+as a miss: medians take it as infinity, and each cell says how many seeds never got there.
 """
 
 import argparse
+import json
 import logging
-import statistics
 import sys
 from pathlib import Path
-
-import optuna
+from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).parent))
-from landscape import LandscapeRunner, interpolation, load, make_experiment, plan_of  # noqa: E402
-from mlautotune.search import SearchSettings, Tuner  # noqa: E402
+import ds_baseline  # noqa: E402
+import tables  # noqa: E402
+from landscape import LandscapeRunner, load  # noqa: E402
 
 HERE = Path(__file__).parent
 STRATEGIES = ("model_based", "gridsearch", "random", "deepspeed_baseline")
 
 
-def model_for(land):
-    if land["source"] != "synthetic":
-        return interpolation(land)
-    import synthetic
+def run_product(land: Dict[str, Any], runner: LandscapeRunner, tuner_type: str, seed: int) -> Optional[Dict[str, Any]]:
+    """The adapter to the product: run its search with its defaults on the landscape; the declared optimum's params."""
+    import optuna
+    import yaml
 
-    return lambda params: synthetic.evaluate(synthetic.MODELS[land["name"]], params)
+    from mlautotune.config import AutotuningConf, SearchConf
+    from mlautotune.experiment import Experiment, Resources, Result
+    from mlautotune.search import SearchSettings, Tuner
+    from mlautotune.space import MicroBatchRule, TuningPlan
 
+    p, at, search = land["plan"], AutotuningConf(), SearchConf()
+    plan = TuningPlan(stages=list(p["stages"]), knobs={int(s): v for s, v in p["knobs"].items()},
+                      micro_batch=MicroBatchRule(p["micro_batch"]["mode"], tuple(p["micro_batch"]["values"])), gas=p["gas"],
+                      max_train_batch_size=p.get("max_train_batch_size"), mp_size=1, fast=p["fast"], base_config=p.get("base_config", {}))
+    target = yaml.safe_load((HERE.parent / "conf" / "tuner" / f"{tuner_type}.yaml").read_text())
+    target = {k: (seed if v == "${search.seed}" else v) for k, v in target.items()}
+    settings = SearchSettings(metric=land.get("metric", at.metric), tuner_type=tuner_type, seed=seed, early_stopping=at.tuner_early_stopping,
+                              num_trials=at.tuner_num_trials, num_tuning_micro_batch_sizes=at.num_tuning_micro_batch_sizes, remeasure=search.remeasure,
+                              memory_limit_bytes=land["memory_limit_bytes"], world_size=land["world_size"], device=land["device"], sampler_target=target)
 
-def replay(land, strategy, seed):
-    runner = LandscapeRunner(land, model_for(land))
-    if strategy == "deepspeed_baseline":
-        import ds_baseline
-
-        calls, best = ds_baseline.run(runner, plan_of(land), land["world_size"], land["memory_limit_bytes"], seed)
-        return calls, (runner.value(best) or 0.0) if best else 0.0, runner
-    calls = []
+    def make_experiment(params):
+        return Experiment(f"z{params['stage']}_gas{params['gas']}_tmbspg{params['micro_batch']}", {}, "replay", [], Resources(), dict(params))
 
     def run(exp):
-        result = runner(exp)
-        calls.append((dict(exp.params), result))
-        return result
+        status, metrics, wall = runner.measure(exp.params)
+        return Result(exp.name, status, metrics, "" if status == "ok" else f"{status} (landscape)", wall)
 
-    settings = SearchSettings(metric="throughput", tuner_type=strategy, seed=seed, early_stopping=5, num_trials=50, remeasure=0,
-                              memory_limit_bytes=land["memory_limit_bytes"], world_size=land["world_size"], device=land["device"])
-    study = optuna.create_study(direction="maximize")
-    outcome = Tuner(plan_of(land), settings, study, make_experiment, run).tune()
-    found = runner.value(outcome.best.params) if outcome.best else 0.0
-    return calls, found, runner
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    logging.getLogger("mlautotune").setLevel(logging.ERROR)
+    outcome = Tuner(plan, settings, optuna.create_study(direction="maximize"), make_experiment, run).tune()
+    return dict(outcome.best.params) if outcome.best else None
 
 
-def summarise(land, rows):
-    best = max(max(p["metrics"]["throughput"] for p in land["points"] if p["status"] == "ok"), *(r["found"] for r in rows))
-    out = []
-    for r in rows:
-        values, first = [], {}
-        so_far = 0.0
-        for i, (params, result) in enumerate(r["calls"], 1):
-            if result.status == "ok":
-                so_far = max(so_far, result.metrics["throughput"])
+def replay(land: Dict[str, Any], strategy: str, seed: int):
+    """One search on one landscape: (runner with its log, declared optimum's params or None)."""
+    runner = LandscapeRunner(land, seed=seed)
+    if strategy == "deepspeed_baseline":
+        return runner, ds_baseline.run(runner.measure, land, seed=seed)
+    return runner, run_product(land, runner, strategy, seed)
+
+
+def score(runs: List[Dict[str, Any]], grid_best: float) -> List[Dict[str, Any]]:
+    """Records for the runs of one landscape, against the best true value seen anywhere."""
+    best = max([grid_best] + [e["value"] for r in runs for e in r["log"] if e["value"] is not None])
+    records = []
+    for r in runs:
+        reached: Dict[float, int] = {}
+        so_far, wall, wall99 = 0.0, 0.0, None
+        for i, e in enumerate(r["log"], 1):
+            so_far = max(so_far, e["value"] or 0.0)
+            wall += e["wall_time_s"]
             for level in (0.95, 0.99):
-                if level not in first and so_far >= level * best:
-                    first[level] = i
-        out.append({"to95": first.get(0.95), "to99": first.get(0.99), "regret": 1 - r["found"] / best, "experiments": len(r["calls"]), "wall_h": r["wall"] / 3600})
-    return out
+                if level not in reached and so_far >= level * best:
+                    reached[level] = i
+                    if level == 0.99:
+                        wall99 = wall
+        n = len(r["log"])
+        records.append({
+            "landscape": r["landscape"], "strategy": r["strategy"], "seed": r["seed"],
+            "to95": reached.get(0.95), "to99": reached.get(0.99), "regret": 1 - (r["found"] or 0.0) / best,
+            "experiments": n, "wall_hours": wall / 3600, "wall_hours_to99": None if wall99 is None else wall99 / 3600,
+            "failures": sum(e["status"] != "ok" for e in r["log"]), "after99": None if 0.99 not in reached else n - reached[0.99],
+        })
+    return records
 
 
-def median(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
+def grid_best(land: Dict[str, Any]) -> float:
+    ok = [p["metrics"] for p in land["points"] if p["status"] == "ok"]
+    return max(m.get("true_throughput", m["throughput"]) for m in ok)
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("landscapes", nargs="*", default=sorted(str(p) for p in (HERE / "landscapes").glob("*.json")))
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--json", metavar="OUT", help="write one record per landscape x strategy x seed")
+    ap.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset of " + ", ".join(STRATEGIES))
     args = ap.parse_args()
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    logging.getLogger("mlautotune").setLevel(logging.ERROR)
-    targets = []
+    records = []
     for path in args.landscapes:
         land = load(path)
-        print(f"\n### {land['name']}\n")
-        print("| strategy | experiments to 95% | experiments to 99% | final regret | experiments | wall time (h) |")
-        print("|---|---:|---:|---:|---:|---:|")
-        per_strategy = {}
-        for strategy in STRATEGIES:
-            rows = []
+        runs = []
+        for strategy in args.strategies.split(","):
             for seed in range(args.seeds):
-                calls, found, runner = replay(land, strategy, seed)
-                rows.append({"calls": calls, "found": found, "wall": runner.wall_time_s})
-            s = per_strategy[strategy] = summarise(land, rows)
-            print(f"| {strategy} | {fmt(median([x['to95'] for x in s]))} | {fmt(median([x['to99'] for x in s]))} | "
-                  f"{median([x['regret'] for x in s]):.1%} | {median([x['experiments'] for x in s]):.0f} | {median([x['wall_h'] for x in s]):.2f} |")
-        mb, ds = per_strategy["model_based"], per_strategy["deepspeed_baseline"]
-        targets.append((land["name"], median([x["to99"] for x in mb]), median([x["to99"] for x in ds]), max(x["regret"] for x in mb)))
-    print("\n### Targets\n")
-    print("| landscape | model_based to 99% | baseline to 99% | model_based / baseline | model_based worst final regret |")
-    print("|---|---:|---:|---:|---:|")
-    for name, a, b, worst in targets:
-        ratio = f"{a / b:.2f}" if a is not None and b is not None else "undefined"
-        print(f"| {name} | {fmt(a)} | {fmt(b)} | {ratio} | {worst:.1%} |")
-    ratios = [a / b for _, a, b, _ in targets if a is not None and b is not None]
-    print(f"\nmodel_based reaches 99% on {sum(t[1] is not None for t in targets)} of {len(targets)} landscapes, the baseline on "
-          f"{sum(t[2] is not None for t in targets)}; median ratio where both do: {f'{statistics.median(ratios):.2f}' if ratios else 'n/a (no landscape where both do)'} "
-          f"(target: at most 0.5); worst model_based final regret: {max(t[3] for t in targets):.1%} (target: at most 3%)")
-
-
-def fmt(v, f="{:.0f}"):
-    return "never" if v is None else f.format(v)
+                runner, found = replay(land, strategy, seed)
+                runs.append({"landscape": land["name"], "strategy": strategy, "seed": seed, "log": runner.log, "found": runner.true_value(found)})
+        records += score(runs, grid_best(land))
+        print(tables.landscape_table(records, land["name"]), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1))
+    print(tables.targets(records))
 
 
 if __name__ == "__main__":

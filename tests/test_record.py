@@ -47,9 +47,9 @@ def test_record_runs_the_grid_stops_a_stage_at_its_oom_and_resumes(tmp_path):
 
     # The product search replayed on it: micro-batches between the recorded ones are interpolated,
     # and an interpolated point is ok exactly when its peak fits the limit.
-    calls, found, runner = replay.replay(land, "gridsearch", seed=0)
-    assert found > 0 and runner.calls == len(calls)
-    assert any(params["micro_batch"] not in got for params, _ in calls)
-    for params, result in calls:
-        if result.status == "ok":
-            assert result.metrics["peak_memory_bytes"] <= 1200 * 2**20
+    runner, found = replay.replay(land, "gridsearch", seed=0)
+    assert found is not None and runner.true_value(found) > 0 and runner.calls == len(runner.log)
+    assert any(e["params"]["micro_batch"] not in got for e in runner.log)
+    for e in runner.log:
+        if e["status"] == "ok":
+            assert runner.truth(e["params"])[1]["peak_memory_bytes"] <= 1200 * 2**20

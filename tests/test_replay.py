@@ -1,51 +1,135 @@
-"""The replay benchmark's parts: the landscape runner and the product search replayed on a synthetic landscape."""
+"""The replay benchmark: the GPU-like landscapes (gpu_model.py), the runner's noise, the scoring, the
+tables, and the product search and the DeepSpeed baseline replayed on known landscapes. Pure: no launches."""
 
+import ast
+import json
+import math
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
 import ds_baseline  # noqa: E402
+import gpu_model  # noqa: E402
 import replay  # noqa: E402
-import synthetic  # noqa: E402
-from landscape import LandscapeRunner, interpolation, make_experiment  # noqa: E402
+import tables  # noqa: E402
+from landscape import LandscapeRunner, interpolation, load  # noqa: E402
 
-NAME = "synthetic_bert-large_8xT4-16GB_fp32"
+MIDPEAK = "gpu_midpeak_gpt2-medium_8xA100-40GB_bf16"
+BIG = "gpu_10b_only-z3_16xA100-40GB_fp16"
+KNOB = "gpu_knob-z2_bert-large_8xT4-16GB_fp16"
+FLAT = "gpu_flat_gpt-350m_8xH100-80GB_bf16"
+TIE = "gpu_tie_gpt-1.3b_16xV100-32GB_fp16"
 
 
 @pytest.fixture(scope="module")
-def land():
-    return synthetic.landscape(NAME, synthetic.MODELS[NAME])
+def lands():
+    return {name: gpu_model.landscape(name, m) for name, m in gpu_model.MODELS.items()}
 
 
-def test_the_oom_edge_moves_up_with_the_stage_and_half_precision_fits_more(land):
-    m = synthetic.MODELS[NAME]
-    edge = {s: max(p["params"]["micro_batch"] for p in land["points"] if p["status"] == "ok" and p["params"]["stage"] == s) for s in range(4)}
-    assert edge[0] < edge[1] <= edge[2] < edge[3]
-    half = synthetic.evaluate({**m, "half": True}, {"stage": 0, "micro_batch": edge[0] + 1, "gas": 1})
-    assert synthetic.evaluate(m, {"stage": 0, "micro_batch": edge[0] + 1, "gas": 1})[0] == "oom" and half[0] == "ok"
+def true(p):
+    return p["metrics"]["true_throughput"]
 
 
-def test_runner_looks_points_up_and_counts_time(land):
-    runner = LandscapeRunner(land)
-    point = land["points"][0]
-    result = runner(make_experiment(point["params"]))
-    assert result.status == point["status"] and runner.calls == 1 and runner.wall_time_s == point["wall_time_s"]
-    assert runner(make_experiment({"stage": 0, "micro_batch": 10_000, "gas": 1})).status == "oom"
+def ok(land, stage=None):
+    return [p for p in land["points"] if p["status"] == "ok" and (stage is None or p["params"]["stage"] == stage)]
 
 
-def test_the_product_search_replayed_ends_on_a_successful_run_near_the_best(land):
-    calls, found, runner = replay.replay(land, "model_based", seed=0)
-    best = max(p["metrics"]["throughput"] for p in land["points"] if p["status"] == "ok")
-    assert found is not None and found >= 0.95 * best
-    assert len(calls) <= 50
+def stage_best(land, stage):
+    return max(ok(land, stage), key=true)
 
 
-def test_the_deepspeed_baseline_runs_on_the_same_landscape(land):
-    runner = LandscapeRunner(land, lambda p: synthetic.evaluate(synthetic.MODELS[NAME], p))
-    calls, best = ds_baseline.run(runner, replay.plan_of(land), land["world_size"], land["memory_limit_bytes"])
-    assert calls and best is not None and runner.value(best) > 0
+def knob_worth(land, stage, knob):
+    """max / min - 1 over the knob's values, the other params at the stage's best."""
+    best = stage_best(land, stage)["params"]
+    values = [true(p) for p in ok(land, stage) if all(p["params"][k] == v for k, v in best.items() if k != knob)]
+    return max(values) / min(values) - 1
+
+
+def test_the_benchmark_shares_no_code_with_the_product():
+    for name in ("gpu_model.py", "landscape.py", "ds_baseline.py", "tables.py"):
+        tree = ast.parse((BENCH / name).read_text())
+        modules = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        modules += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        assert not [m for m in modules if m.startswith("mlautotune")], name
+
+
+def test_the_committed_gpu_landscapes_are_what_the_model_writes(lands):
+    for name, land in lands.items():
+        stored = load(BENCH / "landscapes" / f"{name}.json")
+        assert stored["model"] == json.loads(json.dumps(land["model"])) and len(stored["points"]) == len(land["points"])
+        assert [p["params"] for p in stored["points"][:50]] == [p["params"] for p in land["points"][:50]]
+
+
+def test_a_mid_batch_peak_that_falls_towards_the_edge(lands):
+    land = lands[MIDPEAK]
+    best = max(ok(land), key=true)
+    same = sorted((p for p in ok(land) if {k: v for k, v in p["params"].items() if k != "micro_batch"} ==
+                   {k: v for k, v in best["params"].items() if k != "micro_batch"}), key=lambda p: p["params"]["micro_batch"])
+    assert 11 <= best["params"]["micro_batch"] <= 13
+    assert 20 <= same[-1]["params"]["micro_batch"] <= 24 and true(same[-1]) < 0.8 * true(best)
+
+
+def test_a_first_stage_that_cannot_fit_micro_batch_1(lands):
+    land = lands[BIG]
+    assert not ok(land, 0) and not ok(land, 1)
+    assert max(ok(land), key=true)["params"]["stage"] == 3
+    edge = {s: max(p["params"]["micro_batch"] for p in ok(land, s)) for s in (2, 3)}
+    assert edge[2] * 2 <= edge[3]
+
+
+def test_a_knob_worth_15_to_25_percent_in_one_stage_only(lands):
+    land = lands[KNOB]
+    assert 0.15 <= knob_worth(land, 2, "reduce_scatter") <= 0.25
+    assert "reduce_scatter" not in land["plan"]["knobs"]["1"] and "reduce_scatter" not in land["plan"]["knobs"]["3"]
+    for stage in (1, 3):
+        assert all(knob_worth(land, stage, k) < 0.12 for k in land["plan"]["knobs"][str(stage)])
+
+
+def test_a_flat_plateau(lands):
+    land = lands[FLAT]
+    best = true(max(ok(land), key=true))
+    assert all(true(stage_best(land, s)) >= 0.97 * best for s in range(4))
+    z2 = stage_best(land, 2)["params"]
+    plateau = [true(p) for p in ok(land, 2) if p["params"]["micro_batch"] >= 16 and {k: v for k, v in p["params"].items() if k != "micro_batch"} ==
+               {k: v for k, v in z2.items() if k != "micro_batch"}]
+    assert min(plateau) >= 0.97 * max(plateau)
+
+
+def test_a_near_tie_between_stages(lands):
+    land = lands[TIE]
+    tops = sorted((true(stage_best(land, s)) for s in range(4)), reverse=True)
+    assert tops[1] >= 0.99 * tops[0] and tops[2] < 0.95 * tops[0]
+
+
+def test_knobs_change_memory(lands):
+    params = {"stage": 2, "micro_batch": 8, "gas": 1, "reduce_bucket_size": 5e7, "allgather_bucket_size": 5e7,
+              "overlap_comm": False, "reduce_scatter": True, "contiguous_gradients": False}
+    small, _ = gpu_model.memory(gpu_model.MODELS[KNOB], params)
+    big, _ = gpu_model.memory(gpu_model.MODELS[KNOB], {**params, "reduce_bucket_size": 1e9, "overlap_comm": True, "contiguous_gradients": True})
+    assert big - small > 2 * 1e9 * 2  # two reduce buckets and a contiguous buffer of 1e9 fp16 elements
+
+
+def test_every_measurement_is_a_fresh_seeded_draw_within_3_percent(lands):
+    land = lands[MIDPEAK]
+    params = stage_best(land, 2)["params"]
+    runner = LandscapeRunner(land, seed=1)
+    draws = [runner.measure(params)[1] for _ in range(20)]
+    truth = draws[0]["true_throughput"]
+    assert len({d["throughput"] for d in draws}) == 20 and all(abs(d["throughput"] / truth - 1) <= 0.03 for d in draws)
+    assert all(d["true_throughput"] == truth for d in draws) and runner.true_value(params) == truth
+    again = LandscapeRunner(land, seed=1)
+    assert [again.measure(params)[1]["throughput"] for _ in range(20)] == [d["throughput"] for d in draws]
+    assert len(runner.log) == 20 and runner.wall_time_s == pytest.approx(20 * runner.log[0]["wall_time_s"])
+
+
+def test_recorded_landscapes_have_no_noise_model_and_return_the_recorded_value():
+    land = load(BENCH / "landscapes" / "cpu_gpt-0.9M_fast.json")
+    point = next(p for p in land["points"] if p["status"] == "ok")
+    runner = LandscapeRunner(land, seed=3)
+    assert runner.measure(point["params"])[1]["throughput"] == runner.measure(point["params"])[1]["throughput"] == point["metrics"]["throughput"]
 
 
 def recorded_point(mbs, status="ok", step_ms=None, peak=None, stage=1):
@@ -68,3 +152,65 @@ def test_recorded_landscapes_interpolate_between_recorded_micro_batches():
     assert answer({"stage": 1, "micro_batch": 21, "gas": 1})[0] == "oom"  # extrapolated peak 1025 MiB does not
     assert answer({"stage": 1, "micro_batch": 40, "gas": 1})[0] == "oom"  # at or above a recorded OOM
     assert answer({"stage": 2, "micro_batch": 6, "gas": 1})[0] == "oom"  # nothing recorded for these knobs
+    status, gas2, _ = answer({"stage": 1, "micro_batch": 8, "gas": 2})  # another gas: same samples/s, twice the step
+    assert status == "ok" and gas2["throughput"] == pytest.approx(8 * 2 / 0.18) and gas2["latency"] == pytest.approx(360)
+
+
+def entry(value, status="ok", wall=3600.0):
+    return {"params": {}, "status": status, "value": value, "wall_time_s": wall}
+
+
+def test_scoring_counts_experiments_to_95_and_99_percent_and_regret_against_true_values():
+    runs = [{"landscape": "L", "strategy": "model_based", "seed": 0, "found": 96.0,
+             "log": [entry(50.0), entry(None, "oom"), entry(96.0), entry(None, "oom"), entry(99.5)]},
+            {"landscape": "L", "strategy": "random", "seed": 0, "found": None, "log": [entry(90.0), entry(None, "oom")]}]
+    a, b = replay.score(runs, grid_best=100.0)
+    assert (a["to95"], a["to99"], a["experiments"], a["failures"], a["after99"]) == (3, 5, 5, 2, 0)
+    assert a["regret"] == pytest.approx(0.04) and a["wall_hours"] == 5 and a["wall_hours_to99"] == 5
+    assert (b["to95"], b["to99"], b["wall_hours_to99"], b["regret"]) == (None, None, None, 1.0)
+    assert set(a) >= {"landscape", "strategy", "seed", "to95", "to99", "regret", "experiments", "wall_hours", "wall_hours_to99"}
+
+
+def test_the_best_is_the_best_true_value_seen_anywhere():
+    runs = [{"landscape": "L", "strategy": "gridsearch", "seed": 0, "found": 110.0, "log": [entry(110.0)]}]
+    assert replay.score(runs, grid_best=100.0)[0]["regret"] == 0.0
+
+
+def test_never_counts_as_a_miss_in_the_tables():
+    assert tables.steps([3, None, None]) == "never (2/3 never)"
+    assert tables.steps([3, 5, None]) == "5 (1/3 never)"
+    assert tables.median([1, None, None, None]) == math.inf
+    assert tables.ratio(math.inf, 10) == math.inf and tables.ratio(5, math.inf) == 0.0 and tables.ratio(5, 10) == 0.5
+    records = [{"landscape": "L", "strategy": s, "seed": i, "to95": t, "to99": t, "regret": 0.01, "experiments": 9, "wall_hours": 1.0,
+                "wall_hours_to99": None, "failures": 0, "after99": None} for s, ts in (("model_based", (None, None, 4)), ("deepspeed_baseline", (8, 8, 8)))
+               for i, t in enumerate(ts)]
+    text = tables.targets(records)
+    assert "| L | never (2/3 never) | 8 | never |" in text
+
+
+def test_the_product_replays_with_its_default_remeasurement_and_fresh_noise(lands):
+    land = lands[FLAT]
+    runner, found = replay.replay(land, "model_based", seed=0)
+    keys = [json.dumps(e["params"], sort_keys=True) for e in runner.log]
+    assert found is not None and runner.true_value(found) is not None
+    assert len(keys) > len(set(keys))  # re-measured (search.remeasure defaults to 2), each a fresh draw
+
+
+def test_the_deepspeed_baseline_on_the_mid_peak_landscape_stops_at_a_plateau_and_ends_far_from_the_best(lands):
+    land = lands[MIDPEAK]
+    runner, found = replay.replay(land, "deepspeed_baseline", seed=0)
+    log = [e["params"] for e in runner.log]
+    assert (log[0]["stage"], log[0]["micro_batch"]) == (3, 1)  # the model-info run
+    z0 = [p["micro_batch"] for p in log if p["stage"] == 0]
+    assert z0[0] == 1 and z0[1] > 22  # the forward-delta estimate puts the first guesses beyond the edge
+    assert not any(p.get("reduce_bucket_size") == 50000000 for p in log)  # z1 is slower than z0: no knob tuning anywhere
+    best = max(true(p) for p in ok(land))
+    assert runner.true_value(found) < 0.95 * best  # its pick is a single noisy measurement of an untuned config
+
+
+def test_the_deepspeed_baseline_on_the_10b_landscape_skips_stages_by_its_memory_estimate(lands):
+    land = lands[BIG]
+    runner, found = replay.replay(land, "deepspeed_baseline", seed=0)
+    stages = {e["params"]["stage"] for e in runner.log}
+    assert 0 not in stages and 1 not in stages  # fp16 states 2/2/16 per param do not fit: no experiment there
+    assert found is not None and found["stage"] == 3
