@@ -53,11 +53,15 @@ class Measured:
         return float(self.result.metrics.get("step_time_spread", 0.0))
 
     @property
+    def single_interval(self) -> float:
+        """Relative half-width of the confidence interval of one measurement: the probe's
+        `interval_rel`, else the step-time spread."""
+        return float(self.result.metrics.get("interval_rel", self.result.metrics.get("step_time_spread", 0.0)) or 0.0)
+
+    @property
     def interval(self) -> float:
-        """Relative half-width of the confidence interval of this configuration's value: the probe's
-        `interval_rel` (else the step-time spread), narrowed by re-measurements."""
-        own = self.result.metrics.get("interval_rel", self.result.metrics.get("step_time_spread", 0.0))
-        return float(own or 0.0) / math.sqrt(1 + len(self.repeats))
+        """The interval of this configuration's value, narrowed by re-measurements."""
+        return self.single_interval / math.sqrt(1 + len(self.repeats))
 
     @property
     def disturbed(self) -> bool:

@@ -97,8 +97,9 @@ class Strategy:
         return self._remeasure_step(runs)
 
     def _margin(self, runs: List[Measured], best: Measured) -> float:
-        intervals = [m.interval for m in runs if m.ok]
-        return max(best.interval or (statistics.median(intervals) if intervals else 0.0), MIN_MARGIN)
+        """The interval of one measurement (a candidate is measured once): the median of the runs'."""
+        intervals = [m.single_interval for m in runs if m.ok]
+        return max(statistics.median(intervals) if intervals else 0.0, MIN_MARGIN)
 
     # ---- profiling and the memory model -------------------------------------------------------------
     def _memory_model(self, runs: List[Measured]) -> Optional[MemoryModel]:
@@ -228,7 +229,8 @@ class Strategy:
         if promise <= target:
             self.note(f"z{stage}: no untried knob combination is predicted to beat the incumbent by more than the noise")
             return None
-        choice = self.chooser.choose(untried, [m for m in runs if m.result.status in ("ok", "oom")], self.s.maximize, ledger.experiments)
+        history = [(m.params, m.final_value, m.result.status) for m in runs if m.result.status in ("ok", "oom")]
+        choice = self.chooser.choose(untried, history, self.s.maximize, ledger.experiments)
         return Step(choice, f"z{stage}: knobs at micro-batch {at} ({self.chooser.last_choice})")
 
     def _since_improvement(self, knob_runs: List[Measured], best: Measured) -> int:
@@ -272,7 +274,7 @@ class Strategy:
         if len(ok) < 2 or self.s.remeasure <= 0:
             return None
         lead = ok[0]
-        ties = [m for m in ok[1:3] if self._tied(lead, m)]
+        ties = [m for m in ok[1:2] if self._tied(lead, m)]
         if not ties:
             return None
         for round_ in range(1, self.s.remeasure + 1):
