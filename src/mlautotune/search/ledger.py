@@ -55,8 +55,11 @@ class Measured:
     @property
     def single_interval(self) -> float:
         """Relative half-width of the confidence interval of one measurement: the probe's
-        `interval_rel`, else the step-time spread."""
-        return float(self.result.metrics.get("interval_rel", self.result.metrics.get("step_time_spread", 0.0)) or 0.0)
+        `interval_rel`, else half the step-time spread (a full relative range)."""
+        metrics = self.result.metrics
+        if "interval_rel" in metrics:
+            return float(metrics["interval_rel"] or 0.0)
+        return float(metrics.get("step_time_spread") or 0.0) / 2
 
     @property
     def interval(self) -> float:

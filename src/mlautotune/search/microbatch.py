@@ -85,27 +85,50 @@ def concave_bound(points: Sequence[Point], m: int) -> float:
     return min(bounds) if bounds else math.inf
 
 
+def interpolate(points: Sequence[Point], m: int) -> float:
+    """The line's value at m: linear in log(m) between its points, flat beyond them."""
+    pts = sorted(points)
+    if m <= pts[0][0]:
+        return pts[0][1]
+    if m >= pts[-1][0]:
+        return pts[-1][1]
+    below = max(p for p in pts if p[0] <= m)
+    above = min(p for p in pts if p[0] >= m)
+    return below[1] if below[0] == above[0] else _line(below, above, m)
+
+
 def scaled_reference(own: Sequence[Point], reference: Sequence[Point], prior_ratio: float) -> List[Point]:
-    """The reference line's points scaled to this line (by the best ratio seen where both were
-    measured, else prior_ratio), at the sizes this line has not measured."""
-    ref = dict(reference)
-    ratios = [v / ref[m] for m, v in own if m in ref and ref[m] > 0]
-    if not ratios and own and len(reference) >= 1:
-        ratios = [v / b for m, v in own if (b := concave_bound(reference, m)) not in (math.inf, 0) and b > 0]
+    """The reference line's points scaled to this line (by the largest ratio of this line's points
+    to the reference there, else prior_ratio), at the sizes this line has not measured."""
+    if not reference:
+        return []
+    ratios = [v / ref for m, v in own if (ref := interpolate(reference, m)) > 0]
     ratio = max(ratios) if ratios else prior_ratio
     mine = {m for m, _ in own}
     return [(m, v * ratio) for m, v in reference if m not in mine]
 
 
+def linear_cap(own: Sequence[Point], m: int) -> float:
+    """Throughput at m is at most proportional to m from any smaller measured size: a larger
+    micro-batch never makes a step faster."""
+    caps = [v * m / pm for pm, v in own if pm < m]
+    return min(caps) if caps else math.inf
+
+
 def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Sequence[int], taken: Set[int], target: float,
-               prior_ratio: float = 1.0, high_probe: Optional[int] = None) -> Tuple[Optional[int], float]:
+               prior_ratio: float = 1.0, high_probe: Optional[int] = None, rate: bool = True) -> Tuple[Optional[int], float]:
     """The next micro-batch to measure on this line and its optimistic value, or (None, best bound)
     when no unmeasured stretch can beat `target`.
 
     Stretches lie between this line's measured sizes. Each is priced by the highest optimistic value
     of its candidates (own points plus the scaled reference), and the best-priced one is probed: at
     its log-midpoint, at half the smallest size for the stretch below everything measured, and at
-    `high_probe` (the edge search's next size) or its top for the stretch above."""
+    `high_probe` (the edge search's next size) or its top for the stretch above. `rate`: values
+    are per-sample rates (throughput), so `linear_cap` applies too."""
+
+    def _bound(points: Sequence[Point], m: int) -> float:
+        return min(concave_bound(points, m), linear_cap(own, m)) if rate else concave_bound(points, m)
+
     free = [m for m in candidates if m not in taken]
     if not free:
         return None, -math.inf
@@ -139,6 +162,3 @@ def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Seq
         return None, best[1]
     return best
 
-
-def _bound(points: Sequence[Point], m: int) -> float:
-    return concave_bound(points, m)

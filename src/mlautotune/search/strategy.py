@@ -35,11 +35,12 @@ from mlautotune.search.microbatch import Point, edge_probe, peak_probe, scaled_r
 from mlautotune.search.settings import SearchSettings
 from mlautotune.space import TuningPlan
 
-STAGE_SLACK = 0.05  # a higher stage may be this much faster than a lower one at the same micro-batch (a partitioned optimizer step)
+UNSEEN_STAGE = 10.0  # a stage not measured yet may be this much faster at the same micro-batch: every stage gets one look
 KNOB_PRIOR = 0.25  # what knobs the cost model has not yet seen varied might be worth
-MODEL_SLACK = 0.02  # the cost model's prediction is optimistic by this much beyond the noise
+KNOB_STARTUP = 2  # knob experiments per stage on that prior; then the cost model decides
+MODEL_SLACK = 0.02  # the cost model's prediction, made optimistic by this much
 MIN_MARGIN = 0.005
-MAX_TIE_TOLERANCE = 0.10  # leaders further apart than this are not near-ties, whatever the interval
+MAX_INTERVAL = 0.10  # a wider interval (a spread with outliers) counts as this: leaders further apart are not near-ties
 PROFILE_FACTOR = 4  # the second profiling point: this many times the smallest micro-batch
 
 
@@ -99,7 +100,7 @@ class Strategy:
     def _margin(self, runs: List[Measured], best: Measured) -> float:
         """The interval of one measurement (a candidate is measured once): the median of the runs'."""
         intervals = [m.single_interval for m in runs if m.ok]
-        return max(statistics.median(intervals) if intervals else 0.0, MIN_MARGIN)
+        return min(max(statistics.median(intervals) if intervals else 0.0, MIN_MARGIN), MAX_INTERVAL)
 
     # ---- profiling and the memory model -------------------------------------------------------------
     def _memory_model(self, runs: List[Measured]) -> Optional[MemoryModel]:
@@ -189,11 +190,7 @@ class Strategy:
         own, ooms, _ = self._line(runs, stage, knobs)
         reference = self._reference(runs, stage)
         edge = self._edge(own, ooms, stage)
-        if not reference and edge is not None:
-            p = with_knobs(self.plan, stage, edge, knobs)
-            if params_key(p) not in taken:
-                return Step(p, f"z{stage}: the memory edge")
-        return self._line_step(stage, knobs, own, ooms, reference, edge, taken, target, 1 + STAGE_SLACK if reference else 1.0)
+        return self._line_step(stage, knobs, own, ooms, reference, edge, taken, target, UNSEEN_STAGE)
 
     def _line_step(self, stage, knobs, own, ooms, reference, edge, taken, target, prior_ratio) -> Optional[Step]:
         high = max([m for m, _ in own] + [edge or 0, self.low] + (list(self.plan.micro_batch.values) if self.plan.micro_batch.mode != "min" else []))
@@ -201,7 +198,7 @@ class Strategy:
             high = min(high, min(ooms) - 1)
         candidates = self._candidates(stage, high)
         taken_sizes = self._taken_sizes(stage, knobs, taken, candidates) | set(ooms)
-        mbs, bound = peak_probe(own, reference, candidates, taken_sizes, target, prior_ratio, high_probe=edge)
+        mbs, bound = peak_probe(own, reference, candidates, taken_sizes, target, prior_ratio, high_probe=edge, rate=self.s.metric != "latency")
         if mbs is None:
             return None
         return Step(with_knobs(self.plan, stage, mbs, knobs), f"z{stage}: micro-batch {mbs} may reach {bound:.4g}")
@@ -221,11 +218,12 @@ class Strategy:
         untried = [p for k in combos if params_key(p := with_knobs(self.plan, stage, at, k)) not in taken]
         if not untried:
             return None
-        knob_runs = [m for m in runs if m.params["stage"] == stage and m.params["micro_batch"] == at and knobs_of_params(m.params) != base]
-        if self._since_improvement(knob_runs, best) >= self.s.early_stopping:
+        knob_runs = [m for m in runs if m.params["stage"] == stage and knobs_of_params(m.params) != base]
+        margin = self._margin(runs, best)
+        if self._since_improvement([m for m in runs if m.params["stage"] == stage], base, margin) >= self.s.early_stopping:
             self.note(f"z{stage}: early stop of the knob search after {self.s.early_stopping} experiments without improvement")
             return None
-        promise = self._knob_promise(stage, untried, runs, best)
+        promise = self._knob_promise(untried, runs, best, margin, len(knob_runs))
         if promise <= target:
             self.note(f"z{stage}: no untried knob combination is predicted to beat the incumbent by more than the noise")
             return None
@@ -233,21 +231,28 @@ class Strategy:
         choice = self.chooser.choose(untried, history, self.s.maximize, ledger.experiments)
         return Step(choice, f"z{stage}: knobs at micro-batch {at} ({self.chooser.last_choice})")
 
-    def _since_improvement(self, knob_runs: List[Measured], best: Measured) -> int:
-        later = [m for m in knob_runs if m.trial_number > best.trial_number]
-        return len(later)
+    def _since_improvement(self, stage_runs: List[Measured], base: Dict[str, Any], margin: float) -> int:
+        """Knob experiments of the stage since its best last rose by more than the noise."""
+        best, since = None, 0
+        for m in sorted(stage_runs, key=lambda m: m.trial_number):
+            value = self.score(m.final_value)
+            if value is not None and (best is None or value > best * (1 + margin)):
+                best, since = value, 0
+            elif knobs_of_params(m.params) != base:
+                since += 1
+        return since
 
-    def _knob_promise(self, stage: int, untried: List[Dict[str, Any]], runs: List[Measured], best: Measured) -> float:
-        """Optimistic value of the stage's untried knob combinations: a prior while some knob has not
-        been seen at each of its values in any run, else the cost model's best prediction."""
+    def _knob_promise(self, untried: List[Dict[str, Any]], runs: List[Measured], best: Measured, margin: float, knob_runs: int) -> float:
+        """Optimistic value of the stage's untried knob combinations: for its first KNOB_STARTUP
+        knob experiments, a prior while some knob value has not been seen in any run; then the
+        cost model's best prediction."""
         ok = [m for m in runs if m.value is not None]
         seen = {(k, repr(v)) for m in ok for k, v in knobs_of_params(m.params).items()}
         unseen = any((k, repr(v)) not in seen for p in untried for k, v in knobs_of_params(p).items())
-        stage_best = self.score(best.final_value)
-        if unseen:
-            return stage_best * (1 + KNOB_PRIOR)
+        if unseen and knob_runs < KNOB_STARTUP:
+            return self.score(best.final_value) * (1 + KNOB_PRIOR)
         model = CostModel(seed=self.s.seed).fit([m.params for m in ok], [self.score(m.final_value) for m in ok])
-        return float(max(model.predict(untried))) * (1 + self._margin(runs, best) + MODEL_SLACK)
+        return float(max(model.predict(untried))) * (1 + MODEL_SLACK)  # the target has the noise margin already
 
     def _joint_step(self, stage: int, runs: List[Measured], taken: set, target: float) -> Optional[Step]:
         """The stage's best knobs along the micro-batch: its own edge (knobs change memory) from its
@@ -258,7 +263,8 @@ class Strategy:
             return None
         knobs = knobs_of_params(best.params)
         own, ooms, _ = self._line(runs, stage, knobs)
-        reference = self._line(runs, stage, base)[0]
+        base_line = self._line(runs, stage, base)[0]
+        reference = base_line + scaled_reference(base_line, self._reference(runs, stage), 1.0)
         predicted = None
         peak = best.result.metrics.get("peak_memory_bytes")
         if self.memory is not None and self.memory.limit and self.memory.per_sample and peak:
@@ -286,4 +292,4 @@ class Strategy:
 
     def _tied(self, lead: Measured, other: Measured) -> bool:
         a, b = self.score(lead.final_value), self.score(other.final_value)
-        return (a - b) / a <= min(lead.interval + other.interval, MAX_TIE_TOLERANCE)
+        return (a - b) / a <= min(lead.interval + other.interval, MAX_INTERVAL)
