@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 Point = Tuple[int, float]  # (micro-batch, value)
 DENSE_UP_TO = 64  # every integer up to this is a candidate; above it, 160 log-spaced sizes
+MIN_STRETCH = 1.25  # measured sizes closer than this ratio leave nothing worth probing between them
 EDGE_TOLERANCE = 20  # the edge is known once the smallest OOM is within 1/20 (5%) of the largest run
 
 
@@ -97,15 +98,28 @@ def interpolate(points: Sequence[Point], m: int) -> float:
     return below[1] if below[0] == above[0] else _line(below, above, m)
 
 
+def prior(points: Sequence[Point], m: int) -> float:
+    """A line's expected value at m: interpolated between its points, extended beyond them along
+    the nearest two (rising on, or falling on), flat if it has one point."""
+    sizes = [p[0] for p in points]
+    if min(sizes) <= m <= max(sizes):
+        return interpolate(points, m)
+    extended = concave_bound(points, m)
+    return extended if extended < math.inf else interpolate(points, m)
+
+
 def scaled_reference(own: Sequence[Point], reference: Sequence[Point], prior_ratio: float) -> List[Point]:
     """The reference line's points scaled to this line (by the largest ratio of this line's points
-    to the reference there, else prior_ratio), at the sizes this line has not measured."""
+    to the reference there, else prior_ratio), where this line has no points: outside the range of
+    its own points once it has two."""
     if not reference:
         return []
     ratios = [v / ref for m, v in own if (ref := interpolate(reference, m)) > 0]
     ratio = max(ratios) if ratios else prior_ratio
-    mine = {m for m, _ in own}
-    return [(m, v * ratio) for m, v in reference if m not in mine]
+    if len(own) < 2:
+        return [(m, v * ratio) for m, v in reference if m not in {pm for pm, _ in own}]
+    lo, hi = min(m for m, _ in own), max(m for m, _ in own)
+    return [(m, v * ratio) for m, v in reference if m < lo or m > hi]  # own points decide within their range
 
 
 def linear_cap(own: Sequence[Point], m: int) -> float:
@@ -127,7 +141,12 @@ def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Seq
     are per-sample rates (throughput), so `linear_cap` applies too."""
 
     def _bound(points: Sequence[Point], m: int) -> float:
-        return min(concave_bound(points, m), linear_cap(own, m)) if rate else concave_bound(points, m)
+        """The own points' concave bound (and linear cap); where they leave m unbounded, the line
+        through own and reference points as a prior."""
+        bound = concave_bound(own, m)
+        if bound == math.inf and len(points) > len(own):
+            bound = prior(points, m)
+        return min(bound, linear_cap(own, m)) if rate else bound
 
     free = [m for m in candidates if m not in taken]
     if not free:
@@ -143,6 +162,8 @@ def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Seq
         stretches.setdefault((below, above), []).append(m)
     best: Tuple[Optional[int], float] = (None, -math.inf)
     for (below, above), ms in sorted(stretches.items()):
+        if below and above and above / below < MIN_STRETCH:
+            continue  # a size between two this close is within about 1% of one of them near a peak
         bound = max(_bound(pts, m) for m in ms)
         if bound <= best[1]:
             continue

@@ -37,7 +37,7 @@ from mlautotune.space import TuningPlan
 
 UNSEEN_STAGE = 10.0  # a stage not measured yet may be this much faster at the same micro-batch: every stage gets one look
 KNOB_PRIOR = 0.25  # what knobs the cost model has not yet seen varied might be worth
-KNOB_STARTUP = 2  # knob experiments per stage on that prior; then the cost model decides
+KNOB_STARTUP = 4  # knob experiments per stage on that prior; then the cost model decides
 MODEL_SLACK = 0.02  # the cost model's prediction, made optimistic by this much
 MIN_MARGIN = 0.005
 MAX_INTERVAL = 0.10  # a wider interval (a spread with outliers) counts as this: leaders further apart are not near-ties
@@ -188,8 +188,15 @@ class Strategy:
     def _micro_batch_step(self, stage: int, runs: List[Measured], taken: set, target: float) -> Optional[Step]:
         knobs = base_knobs(self.plan, stage)
         own, ooms, _ = self._line(runs, stage, knobs)
-        reference = self._reference(runs, stage)
         edge = self._edge(own, ooms, stage)
+        leader = self.best(runs)
+        # the leading stage gets a search of its own; the others are priced by the line below them
+        reference = [] if leader is not None and leader.params["stage"] == stage else self._reference(runs, stage)
+        if reference and edge is not None and edge > max(m for m, _ in reference):
+            # more memory room than the lower stage had: its fall past its best may be memory
+            # pressure near its edge, so only its rising part is a prior here
+            top = max(reference, key=lambda p: p[1])[0]
+            reference = [p for p in reference if p[0] <= top]
         return self._line_step(stage, knobs, own, ooms, reference, edge, taken, target, UNSEEN_STAGE)
 
     def _line_step(self, stage, knobs, own, ooms, reference, edge, taken, target, prior_ratio) -> Optional[Step]:
