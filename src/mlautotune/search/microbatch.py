@@ -141,10 +141,11 @@ def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Seq
     are per-sample rates (throughput), so `linear_cap` applies too."""
 
     def _bound(points: Sequence[Point], m: int) -> float:
-        """The own points' concave bound (and linear cap); where they leave m unbounded, the line
-        through own and reference points as a prior."""
+        """The own points' concave bound (and linear cap); where they leave m unbounded outside
+        their range, the line through own and reference points as a prior."""
         bound = concave_bound(own, m)
-        if bound == math.inf and len(points) > len(own):
+        inside = bool(own) and min(s for s, _ in own) < m < max(s for s, _ in own)
+        if bound == math.inf and not inside and len(points) > len(own):
             bound = prior(points, m)
         return min(bound, linear_cap(own, m)) if rate else bound
 

@@ -192,14 +192,14 @@ class Strategy:
         leader = self.best(runs)
         # the leading stage gets a search of its own; the others are priced by the line below them
         reference = [] if leader is not None and leader.params["stage"] == stage else self._reference(runs, stage)
-        if reference and edge is not None and edge > max(m for m, _ in reference):
-            # more memory room than the lower stage had: its fall past its best may be memory
-            # pressure near its edge, so only its rising part is a prior here
-            top = max(reference, key=lambda p: p[1])[0]
-            reference = [p for p in reference if p[0] <= top]
         return self._line_step(stage, knobs, own, ooms, reference, edge, taken, target, UNSEEN_STAGE)
 
     def _line_step(self, stage, knobs, own, ooms, reference, edge, taken, target, prior_ratio) -> Optional[Step]:
+        if reference and edge is not None and edge > max(m for m, _ in reference):
+            # more memory room than the reference had: its fall past its best may be memory
+            # pressure near its edge, so only its rising part is a prior here
+            top = max(reference, key=lambda p: p[1])[0]
+            reference = [p for p in reference if p[0] <= top]
         high = max([m for m, _ in own] + [edge or 0, self.low] + (list(self.plan.micro_batch.values) if self.plan.micro_batch.mode != "min" else []))
         if ooms:
             high = min(high, min(ooms) - 1)
