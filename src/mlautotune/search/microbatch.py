@@ -123,10 +123,25 @@ def scaled_reference(own: Sequence[Point], reference: Sequence[Point], prior_rat
 
 
 def linear_cap(own: Sequence[Point], m: int) -> float:
-    """Throughput at m is at most proportional to m from any smaller measured size: a larger
-    micro-batch never makes a step faster."""
-    caps = [v * m / pm for pm, v in own if pm < m]
-    return min(caps) if caps else math.inf
+    """Throughput at m is at most proportional to m from the nearest smaller measured size: a
+    larger micro-batch never makes a step faster."""
+    below = [p for p in own if p[0] < m]
+    if not below:
+        return math.inf
+    pm, v = max(below)
+    return v * m / pm
+
+
+def stretched(points: Sequence[Point], edge: Optional[int], new_edge: Optional[int]) -> List[Point]:
+    """A line moved to another memory edge: sizes scaled by new_edge / edge. Where throughput falls
+    before the edge it is memory pressure, which comes at the same fraction of the edge (GPU)."""
+    if not points or not edge or not new_edge or edge == new_edge:
+        return list(points)
+    moved: Dict[int, float] = {}
+    for m, v in points:
+        at = max(1, round(m * new_edge / edge))
+        moved[at] = max(v, moved.get(at, v))
+    return sorted(moved.items())
 
 
 def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Sequence[int], taken: Set[int], target: float,

@@ -31,7 +31,7 @@ from mlautotune.samplers import make_chooser
 from mlautotune.samplers.cost_model import CostModel
 from mlautotune.search.candidates import base_knobs, base_params, knobs_of_params, micro_batch_cap, params_key, stage_knob_combos, with_knobs
 from mlautotune.search.ledger import Ledger, Measured
-from mlautotune.search.microbatch import Point, edge_probe, peak_probe, scaled_reference, sizes_between
+from mlautotune.search.microbatch import Point, edge_probe, peak_probe, scaled_reference, sizes_between, stretched
 from mlautotune.search.settings import SearchSettings
 from mlautotune.space import TuningPlan
 
@@ -168,15 +168,23 @@ class Strategy:
         allowed = [m for m in rule.values if self.memory is None or self.memory.fits(stage, m)] if rule.mode == "list" else None
         return sizes_between(self.low, min(high, self.cap or high), allowed)
 
-    def _reference(self, runs: List[Measured], stage: int) -> List[Point]:
+    def _reference(self, runs: List[Measured], stage: int) -> Tuple[List[Point], Optional[int]]:
         """The best line of the nearest lower stage that ran, completed where it has no points of
-        its own by the line below it, scaled (empty for the lowest stage that ran)."""
+        its own by the line below it, scaled; and its memory edge (nothing for the lowest stage)."""
         for lower in sorted((s for s in self.plan.stages if s < stage), reverse=True):
             b = self._stage_best(runs, lower)
             if b is not None:
                 own = self._line(runs, lower, knobs_of_params(b.params))[0]
-                return own + scaled_reference(own, self._reference(runs, lower), 1.0)
-        return []
+                below, below_edge = self._reference(runs, lower)
+                return own + scaled_reference(own, stretched(below, below_edge, self._stage_edge(lower, own)), 1.0), self._stage_edge(lower, own)
+        return [], None
+
+    def _stage_edge(self, stage: int, own: List[Point]) -> Optional[int]:
+        if self.plan.micro_batch.mode != "min":
+            return None
+        if self.memory is not None:
+            return self.memory.max_micro_batch(stage, cap=self.cap) or None
+        return max((m for m, _ in own), default=None)
 
     def _edge(self, own: List[Point], ooms: List[int], stage: int, predicted: Optional[int] = None) -> Optional[int]:
         if self.plan.micro_batch.mode != "min":
@@ -191,15 +199,14 @@ class Strategy:
         edge = self._edge(own, ooms, stage)
         leader = self.best(runs)
         # the leading stage gets a search of its own; the others are priced by the line below them
-        reference = [] if leader is not None and leader.params["stage"] == stage else self._reference(runs, stage)
-        return self._line_step(stage, knobs, own, ooms, reference, edge, taken, target, UNSEEN_STAGE)
+        reference, ref_edge = ([], None) if leader is not None and leader.params["stage"] == stage else self._reference(runs, stage)
+        return self._line_step(stage, knobs, own, ooms, stretched(reference, ref_edge, self._line_edge(own, edge)), edge, taken, target, UNSEEN_STAGE)
+
+    def _line_edge(self, own: List[Point], edge: Optional[int]) -> Optional[int]:
+        """The line's memory edge: the edge search's next size, or its largest run once that is known."""
+        return edge if edge is not None else max((m for m, _ in own), default=None)
 
     def _line_step(self, stage, knobs, own, ooms, reference, edge, taken, target, prior_ratio) -> Optional[Step]:
-        if reference and edge is not None and edge > max(m for m, _ in reference):
-            # more memory room than the reference had: its fall past its best may be memory
-            # pressure near its edge, so only its rising part is a prior here
-            top = max(reference, key=lambda p: p[1])[0]
-            reference = [p for p in reference if p[0] <= top]
         high = max([m for m, _ in own] + [edge or 0, self.low] + (list(self.plan.micro_batch.values) if self.plan.micro_batch.mode != "min" else []))
         if ooms:
             high = min(high, min(ooms) - 1)
@@ -271,13 +278,15 @@ class Strategy:
         knobs = knobs_of_params(best.params)
         own, ooms, _ = self._line(runs, stage, knobs)
         base_line = self._line(runs, stage, base)[0]
-        reference = base_line + scaled_reference(base_line, self._reference(runs, stage), 1.0)
+        below, below_edge = self._reference(runs, stage)
+        base_edge = self._stage_edge(stage, base_line)
+        reference = base_line + scaled_reference(base_line, stretched(below, below_edge, base_edge), 1.0)
         predicted = None
         peak = best.result.metrics.get("peak_memory_bytes")
         if self.memory is not None and self.memory.limit and self.memory.per_sample and peak:
             predicted = best.params["micro_batch"] + int((self.memory.limit - peak) / self.memory.per_sample)
         edge = self._edge(own, ooms, stage, predicted) if predicted is not None else None
-        return self._line_step(stage, knobs, own, ooms, reference, edge, taken, target, 1.0)
+        return self._line_step(stage, knobs, own, ooms, stretched(reference, base_edge, self._line_edge(own, edge)), edge, taken, target, 1.0)
 
     # ---- noise -------------------------------------------------------------------------------------------
     def _remeasure_step(self, runs: List[Measured]) -> Optional[Step]:
