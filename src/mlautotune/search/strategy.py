@@ -37,7 +37,7 @@ from mlautotune.space import TuningPlan
 
 UNSEEN_STAGE = 10.0  # a stage not measured yet may be this much faster at the same micro-batch: every stage gets one look
 KNOB_PRIOR = 0.25  # what knobs the cost model has not yet seen varied might be worth
-KNOB_STARTUP = 4  # knob experiments per stage on that prior; then the cost model decides
+KNOB_STARTUP = 4  # knob experiments on that prior in a stage tied for the lead; then the cost model decides
 MODEL_SLACK = 0.02  # the cost model's prediction, made optimistic by this much
 MIN_MARGIN = 0.005
 MAX_INTERVAL = 0.10  # a wider interval (a spread with outliers) counts as this: leaders further apart are not near-ties
@@ -197,10 +197,19 @@ class Strategy:
         knobs = base_knobs(self.plan, stage)
         own, ooms, _ = self._line(runs, stage, knobs)
         edge = self._edge(own, ooms, stage)
-        leader = self.best(runs)
-        # the leading stage gets a search of its own; the others are priced by the line below them
-        reference, ref_edge = ([], None) if leader is not None and leader.params["stage"] == stage else self._reference(runs, stage)
+        # the stage that leads by more than the noise gets a search of its own; the others are
+        # priced by the line below them
+        reference, ref_edge = ([], None) if self._leads(runs, stage, target) else self._reference(runs, stage)
         return self._line_step(stage, knobs, own, ooms, stretched(reference, ref_edge, self._line_edge(own, edge)), edge, taken, target, UNSEEN_STAGE)
+
+    def _leads(self, runs: List[Measured], stage: int, target: float) -> bool:
+        """The stage holds the incumbent, and no other stage's best is within the noise of it."""
+        mine = self._stage_best(runs, stage)
+        if mine is None or mine is not self.best(runs):
+            return False
+        lead = self.score(mine.final_value)
+        others = [self.score(b.final_value) for s in self.plan.stages if s != stage and (b := self._stage_best(runs, s)) is not None]
+        return all(v * target / lead < lead for v in others)
 
     def _line_edge(self, own: List[Point], edge: Optional[int]) -> Optional[int]:
         """The line's memory edge: the edge search's next size, or its largest run once that is known."""
@@ -237,7 +246,8 @@ class Strategy:
         if self._since_improvement([m for m in runs if m.params["stage"] == stage], base, margin) >= self.s.early_stopping:
             self.note(f"z{stage}: early stop of the knob search after {self.s.early_stopping} experiments without improvement")
             return None
-        promise = self._knob_promise(untried, runs, best, margin, len(knob_runs))
+        leading = self.score(best.final_value) * (1 + margin) >= target
+        promise = self._knob_promise(untried, runs, best, margin, len(knob_runs) if leading else KNOB_STARTUP)
         if promise <= target:
             self.note(f"z{stage}: no untried knob combination is predicted to beat the incumbent by more than the noise")
             return None
@@ -290,11 +300,11 @@ class Strategy:
 
     # ---- noise -------------------------------------------------------------------------------------------
     def _remeasure_step(self, runs: List[Measured]) -> Optional[Step]:
-        """Leaders whose values overlap within their intervals are measured again, one round at a
-        time, until they separate or each has `remeasure` repeats."""
+        """The best two, if their values overlap within their intervals, are measured again in turn
+        until they separate or each has `remeasure` repeats (at most 2 x remeasure repeats in all)."""
         ok = sorted((m for m in runs if m.value is not None), key=lambda m: -self.score(m.final_value))
-        if len(ok) < 2 or self.s.remeasure <= 0:
-            return None
+        if len(ok) < 2 or self.s.remeasure <= 0 or sum(len(m.repeats) for m in ok) >= 2 * self.s.remeasure:
+            return None  # one tie's worth of repeats in all: noise that does not settle by then is a tie
         lead = ok[0]
         ties = [m for m in ok[1:2] if self._tied(lead, m)]
         if not ties:
