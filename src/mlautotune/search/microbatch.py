@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 Point = Tuple[int, float]  # (micro-batch, value)
 DENSE_UP_TO = 64  # every integer up to this is a candidate; above it, 160 log-spaced sizes
-MIN_STRETCH = 1.25  # measured sizes closer than this ratio leave nothing worth probing between them
+MIN_STRETCH = 1.15  # measured sizes closer than this ratio leave nothing worth probing between them
 EDGE_TOLERANCE = 20  # the edge is known once the smallest OOM is within 1/20 (5%) of the largest run
 
 
@@ -156,12 +156,12 @@ def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Seq
     are per-sample rates (throughput), so `linear_cap` applies too."""
 
     def _bound(points: Sequence[Point], m: int) -> float:
-        """The own points' concave bound (and linear cap); where they leave m unbounded outside
-        their range, the line through own and reference points as a prior."""
+        """The own points' concave bound (and linear cap); outside their range, at most the line
+        through own and reference points too."""
         bound = concave_bound(own, m)
         inside = bool(own) and min(s for s, _ in own) < m < max(s for s, _ in own)
-        if bound == math.inf and not inside and len(points) > len(own):
-            bound = prior(points, m)
+        if not inside and len(points) > len(own):
+            bound = min(bound, prior(points, m))  # outside its own range, the reference has measured
         return min(bound, linear_cap(own, m)) if rate else bound
 
     free = [m for m in candidates if m not in taken]
