@@ -31,7 +31,7 @@ from mlautotune.samplers import make_chooser
 from mlautotune.samplers.cost_model import CostModel
 from mlautotune.search.candidates import base_knobs, base_params, knobs_of_params, micro_batch_cap, params_key, stage_knob_combos, with_knobs
 from mlautotune.search.ledger import Ledger, Measured
-from mlautotune.search.microbatch import Point, edge_probe, peak_probe, scaled_reference, sizes_between, stretched
+from mlautotune.search.microbatch import Point, concave_bound, edge_probe, peak_probe, scaled_reference, sizes_between, stretched
 from mlautotune.search.settings import SearchSettings
 from mlautotune.space import TuningPlan
 
@@ -176,7 +176,9 @@ class Strategy:
             if b is not None:
                 own = self._line(runs, lower, knobs_of_params(b.params))[0]
                 below, below_edge = self._reference(runs, lower)
-                return own + scaled_reference(own, stretched(below, below_edge, self._stage_edge(lower, own)), 1.0), self._stage_edge(lower, own)
+                completion = scaled_reference(own, stretched(below, below_edge, self._stage_edge(lower, own)), 1.0)
+                # where the stage's own points bound its line (concave), the completion stays under them
+                return own + [(m, min(v, concave_bound(own, m))) for m, v in completion], self._stage_edge(lower, own)
         return [], None
 
     def _stage_edge(self, stage: int, own: List[Point]) -> Optional[int]:
