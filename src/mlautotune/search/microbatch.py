@@ -1,12 +1,14 @@
 """The micro-batch search along one line (a stage with fixed knobs): the memory edge, then the
-throughput peak, which need not be at the edge (CPU runs, communication-bound ones).
+throughput peak, which need not be at the edge (CPU runs, communication-bound ones, memory pressure).
 
 Pure functions of what was measured on the line. The peak search brackets the best micro-batch on
 a log scale and prices every unmeasured stretch optimistically: throughput against log(micro-batch)
-is taken to be concave (rising with diminishing returns, then falling), so between and beyond
-measured points it lies under the lines through neighbouring pairs. Points of a reference line (the
-same stage's default knobs, or a lower stage) scaled to this line fill in where it has too few of
-its own. A stretch whose optimistic value cannot beat the target is never probed.
+is taken to be concave (rising with diminishing returns, then falling), so beyond measured points
+it lies under the lines through neighbouring pairs; and it is never more than proportional to the
+micro-batch from the nearest smaller measured size (a larger batch never makes a step faster).
+Outside a line's own points, a reference line (the stage's default knobs, or the stage below,
+stretched to this line's memory edge and scaled to its level) caps it too. A stretch whose
+optimistic value cannot beat the target is never probed.
 """
 
 import math

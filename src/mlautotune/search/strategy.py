@@ -7,10 +7,10 @@ resumed session, or a second worker on the same study, takes up the search where
    stage that keeps the least per rank; then a second size of the stage that ran. The memory model
    comes from the first successful run of any stage. A stage whose model states alone cannot fit,
    or that is predicted to OOM at the smallest micro-batch, is skipped with no experiment.
-2. Micro-batch per stage (default knobs): the first stage finds its memory edge, then its
-   throughput peak (microbatch.py). A higher stage starts from the lower stage's line as a prior
-   (a little faster at most at the same micro-batch, and beyond the lower stage's edge only what
-   the line's own trend promises); one run tells how it compares.
+2. Micro-batch per stage (default knobs, microbatch.py): the stage that leads by more than the
+   noise brackets its own peak, memory edge first. Every other stage gets one look, placed by the
+   line of the stage below it stretched to its own memory edge; that run scales the prior, and
+   the stage goes on only where the scaled line can still win.
 3. Knobs, most promising stage first: at the stage's best micro-batch, the tuner chooses among the
    untried knob combinations (model_based: the XGBoost cost model with feasibility).
 4. Joint refinement: the stage's best knobs get their own micro-batch search (their own memory
