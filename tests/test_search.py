@@ -135,13 +135,19 @@ def test_early_stopping_within_a_stage():
     assert any("early stop" in n for n in out.notes)
 
 
-def test_a_listed_size_that_cannot_beat_the_incumbent_is_not_run():
-    # 100 m / (m + 4): 2 -> 33, 8 -> 67; 4 can reach at most twice 2's throughput (a step is never
-    # faster with a larger batch), which does not beat 8.
+def test_listed_sizes_are_all_measured_in_the_stage_searched_on_its_own():
     plan = make_plan(stages=[0], mbs=MicroBatchRule("list", (2, 4, 8)))
     t, _ = tuner(plan, Landscape(), tuner_type="model_based", early_stopping=50)
     out = t.tune()
-    assert sorted(m.params["micro_batch"] for m in out.measured) == [2, 8]
+    assert sorted(m.params["micro_batch"] for m in out.measured) == [2, 4, 8]
+
+
+def test_a_size_that_cannot_beat_the_incumbent_is_not_run():
+    # 100 m / (m + 4) with the edge at 14: after 1, 4 and 14, the line through 4 and 14 extended
+    # left (a concave curve stays under it) puts 2 and 3 below 4: they are never run.
+    land = Landscape()
+    tuner(make_plan(stages=[0]), land, tuner_type="model_based")[0].tune()
+    assert {c["micro_batch"] for c in land.calls}.isdisjoint({2, 3})
 
 
 def test_readme_micro_batch_rules():

@@ -22,6 +22,7 @@ One global stop rule gates every step: a candidate is measured only if its optim
 the incumbent by more than the incumbent's measurement interval. Nothing left -> the search ends.
 """
 
+import math
 import statistics
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -202,6 +203,8 @@ class Strategy:
         # the stage that leads by more than the noise gets a search of its own; the others are
         # priced by the line below them
         reference, ref_edge = ([], None) if self._leads(runs, stage, target) else self._reference(runs, stage)
+        if not reference and self.plan.micro_batch.mode == "list":
+            target = -math.inf  # sizes the user listed are all measured in the stage searched on its own
         return self._line_step(stage, knobs, own, ooms, stretched(reference, ref_edge, self._line_edge(own, edge)), edge, taken, target, UNSEEN_STAGE)
 
     def _leads(self, runs: List[Measured], stage: int, target: float) -> bool:
