@@ -2,11 +2,12 @@
 ../shared/reference/deepspeed-autotuner-facts.md as DeepSpeed's autotuner code implements them).
 Pure: experiments are answered by small hand-made landscapes, no launches."""
 
+import json
 import math
+import random
 import sys
 from pathlib import Path
 
-import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import ds_baseline  # noqa: E402
@@ -130,13 +131,14 @@ def test_rule5_a_stage_that_cannot_fit_a_larger_micro_batch_is_skipped_without_e
 
 
 def test_rule5_full_mode_tunes_knobs_only_where_the_best_micro_batch_grows_and_is_not_slower():
-    knobs = {1: {"reduce_bucket_size": [50000000, 500000000]}, 2: {"reduce_bucket_size": [50000000, 500000000]}}
-    # z1 is slower than z0 (no knob tuning there); z2 fits more and is faster (knobs tuned).
+    knobs = {s: {"reduce_bucket_size": [50000000, 500000000, 1000000000]} for s in (1, 2, 3)}
+    # z1 is slower than z0 (no knob tuning there); z2 fits more and is faster (knobs tuned); z3 fits no more.
     speed = {0: 200.0, 1: 50.0, 2: 400.0, 3: 10.0}
     fake = Fake({0: 8, 1: 8, 2: 16, 3: 16}, lambda p: speed[p["stage"]] * p["micro_batch"] / (p["micro_batch"] + 2))
-    DeepSpeedAutotuner(fake, landscape(fast=False, knobs=knobs)).tune()
-    tuned = {p["stage"] for p in fake.log if p.get("reduce_bucket_size") == 50000000}
-    assert tuned == {2}  # stage 0 never tunes knobs; stage 1 is slower; stage 3 is not faster
+    t = DeepSpeedAutotuner(fake, landscape(fast=False, knobs=knobs), tuner_type="gridsearch")
+    t.tune()
+    tuned = {json.loads(k[len("tuner:"):])["stage"] for k in t.results if k.startswith("tuner:")}
+    assert tuned == {2}  # stage 0 never tunes knobs; stage 1 is slower; stage 3 does not fit a larger micro-batch
 
 
 def test_rule6_the_trial_budget_is_per_stage():
@@ -150,7 +152,6 @@ def test_rule6_the_trial_budget_is_per_stage():
 
 
 def test_rule6_early_stopping_counts_from_the_best_iteration():
-    exps = [{"stage": 1, "micro_batch": 1, "gas": 1, "x": i} for i in range(20)]
     t = DeepSpeedAutotuner(lambda p: ("ok", {"throughput": 100.0 - p["x"]}, 1.0), landscape(fast=False, knobs={1: {"x": list(range(20))}}),
                            tuner_type="gridsearch", early_stopping=5)
     t.rng.shuffle = lambda xs: xs.sort(key=lambda s: __import__("json").loads(s)["x"])  # keep 0..19 in order
@@ -183,6 +184,20 @@ def test_rule7_model_based_first_pick_is_the_random_visited_one_and_config_0_nev
         assert 0 not in seen and len(seen) in (len(exps) - 1, len(exps) - 2)
         first_is_random_visited += seen[0] == random_one
     assert first_is_random_visited >= 5
+
+
+def test_rule7_the_stage_tuner_is_model_based_and_never_runs_the_first_configuration():
+    knobs = {1: {"reduce_bucket_size": [1, 2, 3, 4, 5, 6]}}
+    land = landscape(fast=False, knobs=knobs)
+    runs = {}
+    for tuner_type in ("model_based", "gridsearch"):
+        t = DeepSpeedAutotuner(lambda p: ("ok", {"throughput": float(p["reduce_bucket_size"])}, 1.0), land, seed=3, tuner_type=tuner_type, early_stopping=100)
+        t.run_tuner(1, [8], 8)
+        runs[tuner_type] = [json.loads(k[len("tuner:"):]) for k in t.results if k.startswith("tuner:")]
+    order = sorted(json.dumps(DeepSpeedAutotuner(None, land).params(1, 8, 1, {"reduce_bucket_size": v}), sort_keys=True) for v in range(1, 7))
+    random.Random(3).shuffle(order)  # the set order the tuner sees
+    first = json.loads(order[0])
+    assert runs["gridsearch"][0] == first and first not in runs["model_based"] and len(runs["model_based"]) in (4, 5)
 
 
 def test_rule7_model_based_refits_on_raw_features_and_runs_the_best_ranked_unvisited():
