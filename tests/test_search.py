@@ -415,3 +415,11 @@ def test_a_simultaneous_claim_of_the_same_params_goes_to_the_lower_trial_number(
     first, second = a.ledger.claim(p), b.ledger.claim(p)
     assert first is not None and second is None
     assert study.trials[-1].state == optuna.trial.TrialState.PRUNED and study.trials[-1].user_attrs["duplicate_of"] == first.number
+
+
+def test_a_failed_first_run_does_not_end_the_session():
+    """A crash that is not an OOM (a port clash, a flaky collective) at the first size: the
+    profiling goes on with the next size instead of giving up with no result."""
+    land = Landscape(fail_at=(0, 1))
+    out = tuner(make_plan(stages=[0], mbs=MicroBatchRule("list", (1, 2, 4, 6))), land, tuner_type="gridsearch")[0].tune()
+    assert out.best is not None and sorted(c["micro_batch"] for c in land.calls) == [1, 2, 4, 6]

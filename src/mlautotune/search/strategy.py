@@ -125,11 +125,12 @@ class Strategy:
         if self.memory is None and any(m.ok for m in runs):
             return None  # runs without a parameter count (no memory model): micro-batches by doubling
         stages = self.plan.stages
-        if self.memory is None:
-            for stage in dict.fromkeys([stages[0], stages[-1], *stages[1:-1]]):
-                p = base_params(self.plan, stage, self.low)
-                if params_key(p) not in taken:
-                    return Step(p, "profiling: model info and a first memory point")
+        if self.memory is None:  # a failure that is not an OOM may be passing: each stage gets a second size too
+            for mbs in (self.low, self._second_size()):
+                for stage in dict.fromkeys([stages[0], stages[-1], *stages[1:-1]]):
+                    p = base_params(self.plan, stage, mbs)
+                    if params_key(p) not in taken and not self._oom_at_or_below(runs, stage, mbs):
+                        return Step(p, "profiling: model info and a first memory point")
             return None
         if self.plan.micro_batch.mode != "min" or self.memory.per_sample_measured():
             return None
@@ -139,6 +140,17 @@ class Strategy:
         if (self.cap is not None and mbs > self.cap) or params_key(p) in taken:
             return None
         return Step(p, "profiling: a second memory point for the per-sample slope")
+
+    def _second_size(self) -> int:
+        rule = self.plan.micro_batch
+        if rule.mode == "list" and len(rule.values) > 1:
+            return sorted(rule.values)[1]
+        if rule.mode == "min" and (self.cap is None or self.low * PROFILE_FACTOR <= self.cap):
+            return self.low * PROFILE_FACTOR
+        return self.low
+
+    def _oom_at_or_below(self, runs: List[Measured], stage: int, mbs: int) -> bool:
+        return any(m.result.status == "oom" and m.params["stage"] == stage and m.params["micro_batch"] <= mbs for m in runs)
 
     def _feasible(self, stage: int) -> bool:
         m = self.memory
