@@ -5,11 +5,13 @@ shrinks with the ZeRO stage, throughput rises with the micro-batch and falls wit
 and a run over the memory limit is an OOM.
 """
 
+import math
+
 import optuna
 import pytest
 
 from mlautotune.experiment import Experiment, Resources, Result
-from mlautotune.search import SearchSettings, Tuner, spaced
+from mlautotune.search import SearchSettings, Tuner
 from mlautotune.space import MicroBatchRule, TuningPlan
 
 GiB = 2**30
@@ -82,13 +84,6 @@ def tuner(plan, runner, storage=None, study_name="s", **settings):
     return Tuner(plan, s, study, make_experiment, runner), study
 
 
-def test_spaced_candidates():
-    assert spaced(1, 13, 3) == [13, 4, 1]
-    assert spaced(1, 64, 4) == [64, 16, 4, 1]
-    assert spaced(4, 4, 3) == [4]
-    assert spaced(2, 3, 3) == [3, 2]
-
-
 def test_finds_largest_runnable_micro_batch_with_few_runs():
     land = Landscape()
     t, _ = tuner(make_plan(stages=[0]), land, tuner_type="gridsearch")
@@ -109,12 +104,12 @@ def test_failed_and_oom_are_never_scored_as_zero(tmp_path):
     assert out.best.result.status == "ok"
 
 
-def test_stage_stop_rule_and_ranking_across_stages():
-    # Fixed candidates: higher stages cannot fit more, they only cost speed.
-    t, _ = tuner(make_plan(mbs=MicroBatchRule("list", (2, 4))), Landscape(), tuner_type="gridsearch")
-    out = t.tune()
-    assert {m.params["stage"] for m in out.measured} == {0, 1}  # z1 is no better than z0: z2, z3 not explored
-    assert out.best.params["stage"] == 0
+def test_each_higher_stage_gets_one_look_and_the_ranking_is_across_stages():
+    # Fixed candidates: higher stages cannot fit more, they only cost speed (7% per stage).
+    land = Landscape()
+    out = tuner(make_plan(mbs=MicroBatchRule("list", (2, 4))), land, tuner_type="gridsearch")[0].tune()
+    assert [sum(c["stage"] == s for c in land.calls) for s in range(4)] == [2, 1, 1, 1]  # at z0's best size
+    assert out.best.params == {"stage": 0, "micro_batch": 4, "gas": 1}
 
 
 def test_a_higher_stage_that_fits_a_larger_micro_batch_is_explored():
@@ -140,11 +135,19 @@ def test_early_stopping_within_a_stage():
     assert any("early stop" in n for n in out.notes)
 
 
-def test_space_exhaustion_ends_the_stage():
+def test_listed_sizes_are_all_measured_in_the_stage_searched_on_its_own():
     plan = make_plan(stages=[0], mbs=MicroBatchRule("list", (2, 4, 8)))
     t, _ = tuner(plan, Landscape(), tuner_type="model_based", early_stopping=50)
     out = t.tune()
     assert sorted(m.params["micro_batch"] for m in out.measured) == [2, 4, 8]
+
+
+def test_a_size_that_cannot_beat_the_incumbent_is_not_run():
+    # 100 m / (m + 4) with the edge at 14: after 1, 4 and 14, the line through 4 and 14 extended
+    # left (a concave curve stays under it) puts 2 and 3 below 4: they are never run.
+    land = Landscape()
+    tuner(make_plan(stages=[0]), land, tuner_type="model_based")[0].tune()
+    assert {c["micro_batch"] for c in land.calls}.isdisjoint({2, 3})
 
 
 def test_readme_micro_batch_rules():
@@ -215,15 +218,19 @@ def test_resume_reuses_finished_experiments_and_requeues_the_interrupted_one(tmp
 
 
 class BufferHungryStage(Landscape):
-    """z1 keeps 1.5 GiB more per rank than the memory model learns from z0 (bigger buckets)."""
+    """z1 keeps 300 MiB more per rank than the memory model learns from z0 (bigger buckets): its edge
+    is 6 larger than z0's, not 8 as predicted, and throughput still rises there."""
 
     def peak(self, stage, mbs):
-        return super().peak(stage, mbs) + (1.5 * GiB if stage == 1 else 0)
+        return super().peak(stage, mbs) + (300 * 2**20 if stage == 1 else 0)
+
+    def throughput(self, params):
+        return 100 * params["micro_batch"] / (params["micro_batch"] + 40)  # memory-bound; no cost for z1's partitioning
 
 
 def test_an_edge_search_that_overshoots_does_not_walk_down_one_by_one():
     land = BufferHungryStage(per_sample=50 * 2**20)
-    out = tuner(make_plan(stages=[0, 1]), land, tuner_type="gridsearch", num_tuning_micro_batch_sizes=1)[0].tune()
+    out = tuner(make_plan(stages=[0, 1]), land, tuner_type="gridsearch")[0].tune()
     z1 = [m for m in out.measured if m.params["stage"] == 1]
     top = max(m.params["micro_batch"] for m in z1 if m.ok)
     assert land.peak(1, top) <= LIMIT < land.peak(1, top + 1)  # still the true edge
@@ -237,30 +244,182 @@ class KnobMemory(Landscape):
         return super().peak_of(params) - (600 * 2**20 if params.get("reduce_bucket_size") == 50000000 else 0)
 
 
-def test_the_leaders_knobs_get_their_own_micro_batch_edge():
+def test_the_best_knobs_get_their_own_micro_batch_edge():
     knobs = {0: {"reduce_bucket_size": [500000000, 50000000]}}
     land = KnobMemory()
     out = tuner(make_plan(stages=[0], knobs=knobs, fast=False), land, tuner_type="gridsearch")[0].tune()
     base_edge = max(m.params["micro_batch"] for m in out.measured if m.ok and m.params["reduce_bucket_size"] == 500000000)
     assert out.best.params["reduce_bucket_size"] == 50000000
     assert out.best.params["micro_batch"] > base_edge  # 600 MiB / 200 MiB per sample: 3 more
-    assert any("leave memory room" in n for n in out.notes)
+    assert land.peak(0, out.best.params["micro_batch"] + 1) - 600 * 2**20 > LIMIT  # and exactly its edge
 
 
 class PeaksInside(Landscape):
     """CPU-like: throughput peaks at micro-batch 6, far below the memory edge (14)."""
 
     def throughput(self, params):
-        import math
-
         return 100 * math.exp(-math.log(params["micro_batch"] / 6) ** 2)
 
 
-def test_the_micro_batch_is_refined_between_far_apart_candidates():
+def test_the_micro_batch_peak_below_the_edge_is_found():
     land = PeaksInside()
     out = tuner(make_plan(stages=[0]), land, tuner_type="gridsearch")[0].tune()
-    measured = {m.params["micro_batch"] for m in out.measured}
-    assert {1, 4, 14} <= measured  # the README's candidates: the edge and log-spaced ones below it
-    assert out.best.params["micro_batch"] in (5, 6, 7) and out.best.value >= 0.95 * 100
-    assert any("refining around the best micro-batch 4" in n for n in out.notes)
-    assert len(out.measured) <= 3 + 2 + 4 + 2  # profiling/edge, candidates, at most 4 refinements
+    assert out.best.params["micro_batch"] == 6
+    assert len(out.measured) <= 8  # profiling 2, the edge 1, then a bracketing search
+
+
+class MidPeakWithKnob(Landscape):
+    """GPU-like: throughput peaks at micro-batch 12 with the edge at 24 (200 MiB/sample over 4 GiB),
+    and a small reduce bucket is worth 10% in stage 1 only, at every micro-batch."""
+
+    def peak(self, stage, mbs):
+        return 0.3 * GiB + NUM_PARAMS * 16 / (1 if stage == 0 else 2) * 0.1 + self.per_sample * mbs + (2 * GiB if stage == 0 else 0)
+
+    def throughput(self, params):
+        mbs, stage = params["micro_batch"], params["stage"]
+        t = 100 * math.exp(-0.5 * math.log(mbs / 12) ** 2) * (1.0 - 0.02 * stage)
+        return t * (1.10 if stage == 1 and params.get("reduce_bucket_size") == 50000000 else 1.0)
+
+
+def test_peak_before_the_edge_and_the_best_knobs_are_combined():
+    """Old search: knobs tuned at log-spaced candidates (1, 4, 20) and refinement with the same knobs
+    only, so micro-batch 12 and the small bucket were never measured together."""
+    land = MidPeakWithKnob()
+    knobs = {0: {}, 1: {"reduce_bucket_size": [500000000, 50000000], "allgather_bucket_size": [500000000, 50000000]}}
+    out = tuner(make_plan(stages=[0, 1], knobs=knobs, fast=False), land, tuner_type="model_based")[0].tune()
+    best = max(land.throughput(dict(stage=1, micro_batch=m, reduce_bucket_size=50000000)) for m in range(1, 30))
+    assert land.throughput(out.best.params) >= 0.99 * best
+    assert out.best.params["stage"] == 1 and out.best.params["reduce_bucket_size"] == 50000000
+    assert 11 <= out.best.params["micro_batch"] <= 13
+
+
+BIG = 400_000_000
+
+
+class OnlyStage3Fits(Landscape):
+    """A large model (fp32 AdamW, 2 ranks): z0 runs out of memory at micro-batch 1, z1's model
+    states alone (4 + 4 + 8/2 bytes per parameter) exceed the 4 GiB limit, z2 cannot fit one sample,
+    z3 fits about 26."""
+
+    def peak(self, stage, mbs):
+        states = {0: 16 * BIG, 1: 12 * BIG, 2: 10 * BIG, 3: 8 * BIG}[stage]
+        return 0.25 * GiB + states + 30 * 2**20 * mbs
+
+    def __call__(self, exp):
+        result = super().__call__(exp)
+        for k in ("num_params", "trainable_num_params"):
+            if k in result.metrics:
+                result.metrics[k] = BIG
+        return result
+
+
+def test_no_profile_case_the_memory_model_comes_from_the_first_stage_that_runs():
+    """z0 OOMs at micro-batch 1 (the old search's profiling failed and the model stayed off, so
+    every stage doubled from 1)."""
+    land = OnlyStage3Fits()
+    t, _ = tuner(make_plan(), land, tuner_type="model_based")
+    out = t.tune()
+    assert land.calls[0] == {"stage": 0, "micro_batch": 1, "gas": 1} and land.calls[1]["stage"] == 3
+    assert t.memory is not None and t.memory.num_params == BIG
+    assert {c["stage"] for c in land.calls} == {0, 3}  # z1, z2: no experiment
+    assert any("z1: skipped, its model states alone" in n for n in out.notes)
+    assert sum(m.result.status == "oom" for m in out.measured) <= 2  # z0's profiling OOM, at most one at z3's edge
+    true_best = max(land.throughput(dict(stage=3, micro_batch=m)) for m in range(1, 200) if land.peak(3, m) <= LIMIT)
+    assert out.best.value >= 0.99 * true_best
+
+
+class Flat(Landscape):
+    """A plateau: every stage within 0.5%, the peak at micro-batch 8 of an edge at 14."""
+
+    def throughput(self, params):
+        return 100 * math.exp(-0.3 * math.log(params["micro_batch"] / 8) ** 2) * (1 - 0.002 * params["stage"])
+
+
+def test_global_stop_on_a_flat_landscape():
+    """The old per-stage rules ran every stage's edge, candidates and refinement."""
+    land = Flat(spread=0.02)
+    out = tuner(make_plan(), land, tuner_type="model_based", remeasure=0)[0].tune()
+    per_stage = {s: sum(c["stage"] == s for c in land.calls) for s in range(4)}
+    assert all(per_stage[s] <= 1 for s in (1, 2, 3)), per_stage  # one look at each higher stage at most
+    first_best = next(i for i, c in enumerate(land.calls) if land.throughput(c) >= 0.99 * 100)
+    assert len(land.calls) - first_best <= 6
+
+
+def test_interval_rel_decides_near_ties_and_a_disturbed_leader_is_remeasured():
+    class Probed(Landscape):
+        def __call__(self, exp):
+            r = super().__call__(exp)
+            if r.status == "ok":
+                r.metrics.pop("step_time_spread")
+                r.metrics["interval_rel"] = 0.03
+                r.metrics["disturbed"] = exp.params["micro_batch"] == 13 and not any(c == exp.params for c in self.calls[:-1])
+            return r
+
+    land = Probed()
+    out = tuner(make_plan(stages=[0], mbs=MicroBatchRule("list", (1, 12, 13))), land, tuner_type="gridsearch", remeasure=1)[0].tune()
+    assert sum(c["micro_batch"] == 13 for c in land.calls) == 2  # disturbed: measured again; then tied with 12 within 3%+3%
+    assert sum(c["micro_batch"] == 12 for c in land.calls) == 2
+    assert len(out.best.repeats) == 1
+
+
+def test_every_launched_trial_has_its_plain_params_in_the_study(tmp_path):
+    knobs = {1: {"reduce_bucket_size": [500000000, 50000000], "overlap_comm": [True, False]}, 3: {"reduce_bucket_size": [500000000, 50000000]}}
+    t, study = tuner(make_plan(stages=[1, 3], knobs=knobs, fast=False), Landscape(), f"sqlite:///{tmp_path / 'o.db'}", tuner_type="random")
+    t.tune()
+    df = study.trials_dataframe()
+    launched = df[df["user_attrs_name"].notna()]
+    assert len(launched) >= 5
+    for col in ("params_stage", "params_micro_batch", "params_gas"):
+        assert launched[col].notna().all()
+    z1 = launched[launched["params_stage"] == 1]
+    assert z1["params_reduce_bucket_size"].notna().all() and z1["params_overlap_comm"].notna().all()
+    assert not [c for c in df.columns if c.startswith("params_") and "/" in c]  # no stage-qualified names
+
+
+def test_a_trial_left_running_by_a_dead_process_is_interrupted_through_the_public_api(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'o.db'}"
+    t, study = tuner(make_plan(stages=[0]), Landscape(), storage)
+    dead = t.ledger.claim({"stage": 0, "micro_batch": 1, "gas": 1})  # its process dies here
+    again, study = tuner(make_plan(stages=[0]), Landscape(), storage)
+    assert again.interrupted == [dead.number]
+    frozen = study.trials[dead.number]
+    assert frozen.state == optuna.trial.TrialState.FAIL and frozen.params == {"stage": 0, "micro_batch": 1, "gas": 1}
+    out = again.tune()
+    assert {"stage": 0, "micro_batch": 1, "gas": 1} in [m.params for m in out.measured]  # run again
+
+
+def test_two_workers_never_run_the_same_params(tmp_path):
+    """Two tuners on one study, interleaved: each proposes while the other's trial is RUNNING."""
+    storage = f"sqlite:///{tmp_path / 'o.db'}"
+    knobs = {0: {}, 1: {"reduce_bucket_size": [500000000, 50000000], "allgather_bucket_size": [500000000, 50000000]}}
+    plan = make_plan(stages=[0, 1], knobs=knobs, fast=False)
+    a, study = tuner(plan, Landscape(), storage, alone=False, poll_seconds=0)
+    b, _ = tuner(plan, Landscape(), storage, alone=False, poll_seconds=0)
+    for _ in range(12):
+        claimed = [c for c in (a.propose(), b.propose()) if isinstance(c, tuple)]
+        if not claimed:
+            break
+        if len(claimed) == 2:
+            assert claimed[0][0].params != claimed[1][0].params
+        for worker, (trial, step) in zip((a, b), claimed):
+            worker.run(trial, step)
+    launched = [tuple(sorted(t.params.items())) for t in study.trials if "name" in t.user_attrs and "repeat_of" not in t.user_attrs]
+    assert len(launched) == len(set(launched)) >= 6
+
+
+def test_a_simultaneous_claim_of_the_same_params_goes_to_the_lower_trial_number(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'o.db'}"
+    a, study = tuner(make_plan(stages=[0]), Landscape(), storage, alone=False)
+    b, _ = tuner(make_plan(stages=[0]), Landscape(), storage, alone=False)
+    p = {"stage": 0, "micro_batch": 4, "gas": 1}
+    first, second = a.ledger.claim(p), b.ledger.claim(p)
+    assert first is not None and second is None
+    assert study.trials[-1].state == optuna.trial.TrialState.PRUNED and study.trials[-1].user_attrs["duplicate_of"] == first.number
+
+
+def test_a_failed_first_run_does_not_end_the_session():
+    """A crash that is not an OOM (a port clash, a flaky collective) at the first size: the
+    profiling goes on with the next size instead of giving up with no result."""
+    land = Landscape(fail_at=(0, 1))
+    out = tuner(make_plan(stages=[0], mbs=MicroBatchRule("list", (1, 2, 4, 6))), land, tuner_type="gridsearch")[0].tune()
+    assert out.best is not None and sorted(c["micro_batch"] for c in land.calls) == [1, 2, 4, 6]

@@ -117,6 +117,14 @@ class MemoryModel:
         room = (self.limit - self.predict(stage, 0)) / self.per_sample
         return max(0, min(top, int(room)))
 
+    def per_sample_measured(self) -> bool:
+        """Whether the per-sample slope comes from runs (two sizes in one stage), not the prior."""
+        sizes: Dict[int, set] = {}
+        for s, m, _, oom in self.points:
+            if not oom:
+                sizes.setdefault(s, set()).add(m)
+        return any(len(v) >= 2 for v in sizes.values())
+
     def feasible(self, stage: int) -> bool:
         return self.fits(stage, 1)
 

@@ -1,0 +1,17 @@
+"""The search, one module per step:
+
+- settings.py: SearchSettings
+- candidates.py: what can be run (default knobs, knob combinations, the study's distributions)
+- ledger.py: every experiment as an Optuna trial (public API, plain param names), resume, pending trials of other workers
+- microbatch.py: the memory edge and the throughput peak along the micro-batch
+- strategy.py: stage order, knobs, joint refinement, re-measurement and the global stop rule
+- tuner.py: the loop that asks the strategy, claims a trial, runs it and records it
+"""
+
+from mlautotune.search.candidates import base_params, product
+from mlautotune.search.ledger import METRIC_KEYS, Measured
+from mlautotune.search.settings import SearchSettings
+from mlautotune.search.strategy import first_experiments
+from mlautotune.search.tuner import Outcome, Tuner
+
+__all__ = ["METRIC_KEYS", "Measured", "Outcome", "SearchSettings", "Tuner", "base_params", "first_experiments", "product"]

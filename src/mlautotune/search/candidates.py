@@ -1,0 +1,85 @@
+"""What can be run: a stage's configurations at DeepSpeed's defaults, its knob combinations, the
+micro-batch bounds, and the Optuna distributions every trial's plain params are recorded under."""
+
+import functools
+import json
+from typing import Any, Dict, List, Optional
+
+from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
+
+from mlautotune.space import TuningPlan, knob_combos, tuned_knobs
+
+MAX_SIZE = 1 << 16  # micro-batch and gradient accumulation distributions: 1 .. 65536, log scale
+
+
+def params_key(params: Dict[str, Any]) -> str:
+    return json.dumps(params, sort_keys=True, default=str)
+
+
+def base_params(plan: TuningPlan, stage: int, mbs: int) -> Dict[str, Any]:
+    """Params of a micro-batch experiment: the stage's tuned knobs at DeepSpeed's defaults (or the first value)."""
+    return with_knobs(plan, stage, mbs, base_knobs(plan, stage))
+
+
+def base_knobs(plan: TuningPlan, stage: int) -> Dict[str, Any]:
+    defaults = deepspeed_zero_defaults(stage)
+    return {k: defaults[k] if defaults.get(k) in values else values[0] for k, values in tuned_knobs(plan, stage).items()}
+
+
+def with_knobs(plan: TuningPlan, stage: int, mbs: int, knobs: Dict[str, Any]) -> Dict[str, Any]:
+    return {"stage": stage, "micro_batch": int(mbs), "gas": plan.gas, **knobs}
+
+
+def stage_knob_combos(plan: TuningPlan, stage: int) -> List[Dict[str, Any]]:
+    """Every knob combination of the stage, DeepSpeed's defaults first."""
+    base = base_knobs(plan, stage)
+    combos = knob_combos(plan, stage)
+    return [base] + [c for c in combos if c != base]
+
+
+def knobs_of_params(params: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: v for k, v in params.items() if k not in ("stage", "micro_batch", "gas")}
+
+
+def micro_batch_cap(plan: TuningPlan, world_size: int) -> int:
+    """The largest micro-batch allowed: max_train_micro_batch_size_per_gpu, and max_train_batch_size if it is set."""
+    cap = plan.micro_batch_max
+    if plan.max_train_batch_size:
+        per_mbs = plan.gas * max(1, world_size // plan.mp_size)
+        cap = min(cap, max(1, plan.max_train_batch_size // per_mbs))
+    return cap
+
+
+def distributions(plan: TuningPlan) -> Dict[str, BaseDistribution]:
+    """One distribution per plain param name for the whole study, so trials of every stage share
+    them (Optuna refuses a name whose distribution changes): stage and sizes as integers, each knob
+    as a categorical over its values in all of the plan's stages."""
+    dists: Dict[str, BaseDistribution] = {
+        "stage": IntDistribution(0, 3),
+        "micro_batch": IntDistribution(1, MAX_SIZE, log=True),
+        "gas": IntDistribution(1, MAX_SIZE, log=True),
+    }
+    choices: Dict[str, List[Any]] = {}
+    for stage in plan.stages:
+        for knob, values in (plan.knobs.get(stage) or {}).items():
+            for v in values:
+                if not any(v == c and type(v) is type(c) for c in choices.setdefault(knob, [])):
+                    choices[knob].append(v)
+    for knob, values in choices.items():
+        dists[knob] = CategoricalDistribution(sorted(values, key=lambda v: (type(v).__name__, v)))
+    return dists
+
+
+def product(space: Dict[str, List[Any]]) -> List[Dict[str, Any]]:
+    combos: List[Dict[str, Any]] = [{}]
+    for k, values in space.items():
+        combos = [{**c, k: v} for c in combos for v in values]
+    return combos
+
+
+@functools.lru_cache(maxsize=None)
+def deepspeed_zero_defaults(stage: int) -> Dict[str, Any]:
+    """DeepSpeed's own default for every zero_optimization knob at this stage (from its config model)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    return DeepSpeedZeroConfig(stage=stage).model_dump(by_alias=True)

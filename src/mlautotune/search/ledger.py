@@ -1,0 +1,216 @@
+"""The ledger: every experiment is an Optuna trial of the session's study, recorded through Optuna's
+public API with its real params under plain names (`stage`, `micro_batch`, `gas`, knob names).
+
+Its value is the metric (ok runs only); its user attributes are the status and all the metrics. OOM
+and failed runs are FAIL trials with their status, never a metric of 0. A trial that finished FAIL
+without a result was cut off (Ctrl-C, or its process died): it is `interrupted`. RUNNING trials of
+other workers are pending: the strategy treats their params as taken, and when two workers claim the
+same params at once, the lower trial number keeps them.
+"""
+
+import math
+import statistics
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import optuna
+from optuna.distributions import BaseDistribution
+from optuna.samplers import BaseSampler
+from optuna.trial import FrozenTrial, TrialState
+
+from mlautotune.experiment import Result
+from mlautotune.search.candidates import params_key
+
+METRIC_KEYS = {"throughput": "throughput", "latency": "latency", "FLOPS": "FLOPS_per_gpu"}
+
+
+@dataclass
+class Measured:
+    params: Dict[str, Any]
+    result: Result
+    trial_number: int
+    value: Optional[float]
+    repeats: List[float] = field(default_factory=list)  # values of re-measurements, if any
+
+    @property
+    def ok(self) -> bool:
+        return self.result.status == "ok"
+
+    @property
+    def final_value(self) -> Optional[float]:
+        """The median over all measurements of this configuration."""
+        if self.value is None:
+            return None
+        return statistics.median([self.value, *self.repeats])
+
+    @property
+    def spread(self) -> float:
+        """Relative spread: over repeated measurements if there are any, else of the step times."""
+        values = [self.value, *self.repeats] if self.value is not None else []
+        if len(values) > 1:
+            return (max(values) - min(values)) / statistics.median(values)
+        return float(self.result.metrics.get("step_time_spread", 0.0))
+
+    @property
+    def single_interval(self) -> float:
+        """Relative half-width of the confidence interval of one measurement: the probe's
+        `interval_rel`, else half the step-time spread (a full relative range)."""
+        metrics = self.result.metrics
+        if "interval_rel" in metrics:
+            return float(metrics["interval_rel"] or 0.0)
+        return float(metrics.get("step_time_spread") or 0.0) / 2
+
+    @property
+    def interval(self) -> float:
+        """The interval of this configuration's value, narrowed by re-measurements."""
+        return self.single_interval / math.sqrt(1 + len(self.repeats))
+
+    @property
+    def disturbed(self) -> bool:
+        """The probe saw a disturbance in the window, and no re-measurement has confirmed the value."""
+        return bool(self.result.metrics.get("disturbed")) and not self.repeats
+
+
+class Fixed(BaseSampler):
+    """Optuna sampler for a trial whose params the strategy chose: returns them as they are."""
+
+    def __init__(self, params: Dict[str, Any]):
+        self.params = params
+
+    def infer_relative_search_space(self, study, trial) -> Dict[str, BaseDistribution]:
+        return {}
+
+    def sample_relative(self, study, trial, search_space) -> Dict[str, Any]:
+        return {}
+
+    def sample_independent(self, study, trial, param_name: str, param_distribution: BaseDistribution) -> Any:
+        return self.params[param_name]
+
+
+def trial_params(t: FrozenTrial) -> Dict[str, Any]:
+    return dict(t.params or t.user_attrs.get("params") or {})
+
+
+def trial_status(t: FrozenTrial) -> str:
+    """ok, oom, failed, timeout, incomplete, interrupted (cut off), running, or pruned (a duplicate)."""
+    if t.state == TrialState.RUNNING:
+        return "running"
+    return t.user_attrs.get("status") or ("interrupted" if t.state == TrialState.FAIL else t.state.name.lower())
+
+
+class Budget(Exception):
+    """tuner_num_trials experiments have been run."""
+
+
+class Ledger:
+    def __init__(self, study: optuna.Study, metric: str, distributions: Dict[str, BaseDistribution], alone: bool = True):
+        self.study, self.metric, self.dists = study, metric, distributions
+        self.measured: Dict[str, Measured] = {}  # params key -> first measurement
+        self.order: List[Measured] = []
+        self.interrupted: List[int] = []  # trials found cut off when the session resumed
+        self.pending: Dict[int, Dict[str, Any]] = {}  # RUNNING trials of other workers: number -> params
+        self._loaded: set = set()
+        self._mine: set = set()  # trial numbers this process is running
+        self._adopt_dead_trials(alone)
+        self.refresh()
+
+    # ---- reading the study ------------------------------------------------------------------
+    def _adopt_dead_trials(self, alone: bool) -> None:
+        """Trials left RUNNING by a dead process: with Optuna heartbeats, those whose heartbeat
+        stopped; a tuner alone on its session (the session lock) also ends every RUNNING trial. Both
+        become FAIL trials without a result, which is what `interrupted` means."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(self.study)
+        for t in self.study.get_trials(deepcopy=False):
+            if alone and t.state == TrialState.RUNNING:
+                self.study.tell(t.number, state=TrialState.FAIL)
+            if alone and t.state in (TrialState.RUNNING, TrialState.FAIL) and "result" not in t.user_attrs:
+                self.interrupted.append(t.number)
+
+    def refresh(self) -> None:
+        """Take in the trials finished since the last look (this worker's and others'), and the pending ones."""
+        self.pending = {}
+        for t in self.study.get_trials(deepcopy=False):
+            if t.number in self._loaded or t.number in self._mine:
+                continue
+            if t.state in (TrialState.RUNNING, TrialState.WAITING):
+                self.pending[t.number] = trial_params(t)
+                continue
+            self._loaded.add(t.number)
+            if "result" in t.user_attrs and "duplicate_of" not in t.user_attrs:
+                self._reuse(t)
+
+    def _reuse(self, t: FrozenTrial) -> None:
+        m = Measured(trial_params(t), Result.from_dict(t.user_attrs["result"]), t.number, t.value if t.state == TrialState.COMPLETE else None)
+        if "repeat_of" in t.user_attrs:
+            base = self.measured.get(params_key(m.params))
+            if base is not None and m.value is not None:
+                base.repeats.append(m.value)
+            return
+        self._add(m)
+
+    def _add(self, m: Measured) -> None:
+        if params_key(m.params) not in self.measured:
+            self.measured[params_key(m.params)] = m
+            self.order.append(m)
+
+    @property
+    def experiments(self) -> int:
+        """Experiments of this session so far, reused ones and re-measurements included."""
+        return sum(1 + len(m.repeats) for m in self.order)
+
+    def taken(self) -> set:
+        """Keys of every configuration measured or being measured by any worker."""
+        return set(self.measured) | {params_key(p) for p in self.pending.values()}
+
+    # ---- writing trials ---------------------------------------------------------------------
+    def claim(self, params: Dict[str, Any], repeat_of: Optional[Measured] = None) -> Optional[optuna.Trial]:
+        """A RUNNING trial with these params, or None if another worker holds them (same params in
+        an earlier trial: the lower number keeps them; this trial becomes a PRUNED duplicate)."""
+        self.study.sampler = Fixed(params)
+        trial = self.study.ask({k: self.dists[k] for k in params})
+        self._mine.add(trial.number)
+        if repeat_of is None:
+            for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.COMPLETE, TrialState.FAIL)):
+                if t.number < trial.number and trial_params(t) == params and "repeat_of" not in t.user_attrs and "duplicate_of" not in t.user_attrs and trial_status(t) != "interrupted":
+                    trial.set_user_attr("duplicate_of", t.number)
+                    self.study.tell(trial, state=TrialState.PRUNED)
+                    return None
+        trial.set_user_attr("params", dict(params))
+        if repeat_of is not None:
+            trial.set_user_attr("repeat_of", repeat_of.trial_number)
+        return trial
+
+    def interrupt(self, trial: optuna.Trial) -> None:
+        trial.set_user_attr("status", "interrupted")
+        self.study.tell(trial, state=TrialState.FAIL)
+
+    def value_of(self, result: Result) -> Optional[float]:
+        if result.status != "ok":
+            return None
+        v = result.metrics.get(METRIC_KEYS[self.metric])
+        return float(v) if v is not None and math.isfinite(float(v)) else None
+
+    def record(self, trial: optuna.Trial, params: Dict[str, Any], result: Result, repeat_of: Optional[Measured] = None) -> Measured:
+        value = self.value_of(result)
+        if result.status == "ok" and value is None:
+            result.status, result.reason = "failed", f"metrics.json has no {METRIC_KEYS[self.metric]}"
+        trial.set_user_attr("status", result.status)
+        trial.set_user_attr("result", result.to_dict())
+        for k, v in result.metrics.items():
+            if isinstance(v, (int, float)):
+                trial.set_user_attr(f"metric.{k}", v)
+        if value is None:
+            self.study.tell(trial, state=TrialState.FAIL)
+        else:
+            self.study.tell(trial, value)
+        self._loaded.add(trial.number)
+        m = Measured(dict(params), result, trial.number, value)
+        if repeat_of is not None:
+            if value is not None:
+                repeat_of.repeats.append(value)
+        else:
+            self._add(m)
+        return m

@@ -1,0 +1,125 @@
+"""The tuner: asks the strategy for the next configuration, claims it as a trial, runs it, records it."""
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import optuna
+
+from mlautotune.experiment import Experiment, Result
+from mlautotune.search.candidates import distributions
+from mlautotune.search.ledger import Ledger, Measured
+from mlautotune.search.settings import SearchSettings
+from mlautotune.search.strategy import Step, Strategy
+from mlautotune.space import TuningPlan
+
+
+@dataclass
+class Outcome:
+    best: Optional[Measured]
+    stage_best: Dict[int, Measured]
+    measured: List[Measured]  # in run order, re-measurements folded into their configuration
+    experiments: int  # launches actually run in this session (reused results excluded)
+    notes: List[str] = field(default_factory=list)
+
+
+class Tuner:
+    def __init__(self, plan: TuningPlan, settings: SearchSettings, study: optuna.Study,
+                 make_experiment: Callable[[Dict[str, Any]], Experiment], run: Callable[[Experiment], Result], observers: Any = ()):
+        self.plan, self.s, self.study = plan, settings, study
+        self.make_experiment, self.run_experiment = make_experiment, run
+        self.observers = list(observers)
+        self.ledger = Ledger(study, settings.metric, distributions(plan), alone=settings.alone)
+        self.strategy = Strategy(plan, settings)
+        self.launched = 0  # experiments started by this process
+        self._told: set = set()  # notes and stages already passed to the observers
+
+    @property
+    def interrupted(self) -> List[int]:
+        return self.ledger.interrupted
+
+    @property
+    def notes(self) -> List[str]:
+        return self.strategy.notes
+
+    def note(self, text: str) -> None:
+        self.strategy.note(text)
+        self._flush_notes()
+
+    def tune(self) -> Outcome:
+        while True:
+            claimed = self.propose()
+            if claimed is None:
+                if not self.ledger.pending:
+                    break
+                time.sleep(self.s.poll_seconds)  # other workers are measuring: their results may open new steps
+                continue
+            if claimed == "budget":
+                self.note(f"stopped: tuner_num_trials={self.s.num_trials} experiments run")
+                break
+            self.run(*claimed)
+        return self.outcome()
+
+    def propose(self):
+        """The next step claimed as a RUNNING trial: (trial, step), "budget", or None when the
+        strategy has nothing (more) worth measuring."""
+        while True:
+            self.ledger.refresh()
+            step = self.strategy.next(self.ledger)
+            self._flush_notes()
+            if step is None:
+                return None
+            if step.repeat_of is None and self.ledger.experiments >= self.s.num_trials:
+                return "budget"
+            trial = self.ledger.claim(step.params, step.repeat_of)
+            if trial is not None:
+                return trial, step
+
+    def run(self, trial: optuna.Trial, step: Step) -> Measured:
+        params = dict(trial.params)
+        stage = params["stage"]
+        if ("stage", stage) not in self._told:
+            self._told.add(("stage", stage))
+            self._notify("stage_started", stage, {"stage": [stage], "micro_batch": [params["micro_batch"]]})
+        exp = self.make_experiment(params)
+        if step.repeat_of is not None:
+            exp.name = f"{exp.name}_rep{len(step.repeat_of.repeats) + 1}"
+        trial.set_user_attr("name", exp.name)
+        trial.set_user_attr("why", step.why)
+        self._notify("experiment_started", exp, trial)
+        self.launched += 1
+        try:
+            result = self.run_experiment(exp)
+        except BaseException:  # Ctrl-C / SIGTERM: the trial is interrupted, to be run again on resume
+            self.ledger.interrupt(trial)
+            raise
+        m = self.ledger.record(trial, params, result, step.repeat_of)
+        had_model = self.strategy.memory is not None
+        self.strategy.memory = self.strategy._memory_model(self.ledger.order)
+        if not had_model and self.strategy.memory is not None:
+            self._notify("profiled", self.strategy.memory, [m])
+        self._notify("experiment_finished", exp, m, self.best())
+        return m
+
+    def _flush_notes(self) -> None:
+        for text in self.strategy.notes:
+            if ("note", text) not in self._told:
+                self._told.add(("note", text))
+                self._notify("note", text)
+
+    def _notify(self, event: str, *args: Any) -> None:
+        for observer in self.observers:
+            if hasattr(observer, event):
+                getattr(observer, event)(*args)
+
+    @property
+    def memory(self):
+        return self.strategy.memory
+
+    def best(self) -> Optional[Measured]:
+        return self.strategy.best(self.ledger.order)
+
+    def outcome(self) -> Outcome:
+        runs = self.ledger.order
+        stage_best = {s: b for s in self.plan.stages if (b := self.strategy.best([m for m in runs if m.params["stage"] == s])) is not None}
+        return Outcome(self.best(), stage_best, list(runs), self.launched, list(self.notes))
