@@ -1,6 +1,5 @@
 """The command line: `mlautotune [tune|plan|experiment|sync] key=value ...` (a Hydra application)."""
 
-import os
 import sys
 from pathlib import Path
 
@@ -38,9 +37,7 @@ def app(cfg: DictConfig) -> None:
 def main() -> None:
     """Entry point. A first word that names a command becomes the `command=` override."""
     register_configs()
-    # A tracking server that is down must cost seconds, not the minutes of MLflow's default retries.
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
+    # MLflow's HTTP retries and timeouts: see tracking.Tracker (it retries each call itself, with backoff).
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
