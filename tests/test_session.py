@@ -25,7 +25,7 @@ def write_config(path: Path, mbs, stages, **autotuning) -> Path:
     at = {"enabled": True, "start_profile_step": 2, "end_profile_step": 3, "arg_mappings": MAPPINGS, "tuner_type": "gridsearch", **autotuning}
     cfg = {
         "train_micro_batch_size_per_gpu": mbs,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},  # no JIT-compiled op
         "zero_optimization": {"stage": stages},
         "autotuning": at,
     }

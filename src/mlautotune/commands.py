@@ -1,7 +1,6 @@
 """The commands: tune (and run), plan, experiment, sync. Glue from a session to search, tracking and reports."""
 
 import os
-import shlex
 import signal
 import socket
 import sys
@@ -96,7 +95,7 @@ def _tune(session: Session) -> None:
     if status == "partial":
         sys.exit(130)
     console.say(f"mlautotune: optimal config: {session.results_dir / 'ds_config_optimal.json'}")
-    console.say(f"mlautotune: command: {(session.results_dir / 'cmd_optimal.txt').read_text().strip()}")
+    console.say(f"mlautotune: command (secrets masked here, not in cmd_optimal.txt): {redact_text((session.results_dir / 'cmd_optimal.txt').read_text().strip())}")
     lr_advice(session, outcome, console)
     if session.cfg.mode == "run":
         final_training(session, study, tracker, outcome, console)
@@ -170,7 +169,7 @@ def parent_params(session: Session) -> Dict[str, Any]:
     params.update(
         {
             "script": str(session.script),
-            "script_args": shlex.join(redact_args(session.script_args)),
+            "script_args": " ".join(redact_args(session.script_args)),
             "session": session.name,
             "stages": str(session.plan.stages),
             "results_dir": str(session.results_dir),
