@@ -112,7 +112,10 @@ class Tracker:
 
         # MLflow's own HTTP retries stay on, but short (the user's settings win): the Tracker retries
         # each call with backoff on top, and a server that is down must cost seconds, not minutes.
-        for var, value in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2"), ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1"), ("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")):
+        # MLflow's "View run at <uri>" lines would print a password in the URI, once per run: the
+        # console has our own line, with the URI redacted.
+        for var, value in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2"), ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1"),
+                           ("MLFLOW_HTTP_REQUEST_TIMEOUT", "15"), ("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")):
             os.environ.setdefault(var, value)
         self.enabled = enabled
         self.tracking_uri = tracking_uri or mlflow.get_tracking_uri()
