@@ -300,15 +300,14 @@ def run_experiment(exp: Experiment, results_dir: Path) -> Result:
 
     A launch that failed because its master port was taken meanwhile (a clash: another process
     holds the port once our group is gone) is a launcher failure, not a result: it is launched
-    again on a port from the OS, at most PORT_ATTEMPTS times."""
-    started = time.time()
+    again on a port from the OS, at most PORT_ATTEMPTS times, each launch with the whole timeout."""
     try:
         exp_dir = inside(results_dir, exp.name)
     except ValueError:
         raise UserError(f"The experiment name {exp.name!r} would put its folder outside {results_dir}.", "Rename the ds_config keys that produce it.")
     preferred = exp.resources.master_port
     for attempt in range(PORT_ATTEMPTS):
-        result, port = _launch_once(exp, exp_dir, started, preferred if attempt == 0 else None)
+        result, port = _launch_once(exp, exp_dir, time.time(), preferred if attempt == 0 else None)
         if result.status != "failed" or port_is_free(port):
             break
         clash = f"launch {attempt + 1} failed with master port {port} in use by another process; launching again on another port"
