@@ -141,10 +141,12 @@ def port_is_free(port: int) -> bool:
 
 
 def reserve_port(preferred: Optional[int] = None) -> int:
-    """A master port: `preferred` (launcher.master_port) on the first attempt if set, else one the
-    OS hands out (bind to port 0), never one a running experiment of ours holds."""
+    """A master port: `preferred` (launcher.master_port) on the first attempt if set and free, else
+    one the OS hands out (bind to port 0), never one a running experiment of ours holds."""
     with _ports_lock:
-        port = preferred
+        # A taken preferred port is not tried: ranks connecting to a stranger's listener can hang
+        # until the experiment's timeout instead of failing.
+        port = preferred if preferred is not None and port_is_free(preferred) else None
         while port is None or port in _ports_in_use:
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 s.bind(("", 0))
