@@ -128,7 +128,7 @@ def test_interrupt_then_kill_then_resume(tmp_path, leftovers):
     time.sleep(3)
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate()
-    deadline = time.time() + 15
+    deadline = time.time() + 90  # the ranks' watchdog ends them; on a loaded machine they may still be importing torch
     while leftovers(str(results)) and time.time() < deadline:
         time.sleep(0.5)
     assert leftovers(str(results)) == []
