@@ -8,4 +8,6 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -m pip install -q "torch==2.13.0" -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import mlautotune, torch, deepspeed, mlflow, optuna, hydra, xgboost" 2>/dev/null
+# DeepSpeed compiles its ops on first use (about 100 s on CPU): do it now, once per machine, not inside an experiment.
+.venv/bin/python -m mlautotune.ops 2>&1 | grep -v "real_accelerator.py" || true
 echo "mlautotune: environment ready in .venv"

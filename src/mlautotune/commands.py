@@ -10,6 +10,7 @@ from typing import Any, Dict, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from mlautotune import ops
 from mlautotune.console import Console
 from mlautotune.errors import UserError
 from mlautotune.files import atomic_write_text, read_json
@@ -54,6 +55,7 @@ def _tune(session: Session) -> None:
         + (f" | resuming with {resumed} experiments already measured" if resumed else "")
     )
     console.say(f"mlautotune: results in {session.results_dir}")
+    ops.ensure_built(session.ds_config, console.say)
     session.write_record(status="running", memory_limit_bytes=session.memory_limit_bytes)
     config_yaml = session.results_dir / "config.yaml"
     atomic_write_text(config_yaml, OmegaConf.to_yaml(redact(OmegaConf.to_container(session.cfg, resolve=True))))
@@ -233,6 +235,7 @@ def experiment_command(cfg: DictConfig) -> None:
     """Run one experiment of the ds_config (the plan's first configuration) and print the result."""
     session = open_session(cfg, lock=True)
     exp = session.make_experiment(base_params(session.plan, session.plan.stages[0], session.plan.micro_batch.values[0]))
+    ops.ensure_built(session.ds_config, lambda text: print(text, flush=True))
     print(f"mlautotune: running {exp.name} ...", flush=True)
     result = session.run(exp)
     print(f"status: {result.status}")

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -20,6 +21,7 @@ from typing import Any, Dict, List, Optional
 from mlautotune import probe
 from mlautotune.errors import UserError
 from mlautotune.files import atomic_write_json, atomic_write_text, inside, read_json
+from mlautotune.lifeline import tuner_lifeline
 from mlautotune.scriptargs import set_deepspeed_config, set_flag
 
 STATUSES = ("ok", "oom", "timeout", "failed", "incomplete")
@@ -330,6 +332,7 @@ def _launch_once(exp: Experiment, exp_dir: Path, started: float, preferred: Opti
     args = experiment_args(exp, str(ds_config_path))
     port = reserve_port(preferred)
     timeout = exp.timeout_s if exp.timeout_s != float("inf") else None
+    token = uuid.uuid4().hex
     try:
         cmd = launch_command(exp, exp_dir, port, args)
         atomic_write_text(exp_dir / "cmd.txt", shlex.join(cmd) + "\n")
@@ -342,13 +345,15 @@ def _launch_once(exp: Experiment, exp_dir: Path, started: float, preferred: Opti
         atomic_write_json(exp_dir / probe.SETTINGS_FILE, {
             "start_profile_step": exp.start_profile_step, "end_profile_step": exp.end_profile_step,
             "memory_limit_bytes": exp.memory_limit_bytes, "stop_after_window": exp.stop_after_window, "tuner_pid": os.getpid(), "tuner_pgid": os.getpgrp(),
-            "tuner_create_time": _create_time(), "tuner_host": socket.gethostname(), "launch_time": time.time()})
+            "tuner_create_time": _create_time(), "tuner_host": socket.gethostname(), "launch_time": time.time(),
+            "lifeline": [*tuner_lifeline().address, token]})
         with open(exp_dir / "stdout.log", "w") as out, open(exp_dir / "stderr.log", "w") as err:
             proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True,
                                     env={**os.environ, **exp.env})
             budget = max(0.0, exp.timeout_s - (time.time() - started))
             timed_out, measured = _wait(proc, exp_dir, budget, graceful=bool(exp.resources.hostfile))
     finally:
+        tuner_lifeline().cut(token)  # ranks on other hosts end too
         with _ports_lock:
             _ports_in_use.discard(port)
 

@@ -243,6 +243,11 @@ def main(argv) -> None:
 
     probe.device = get_accelerator().device_name()
     threading.Thread(target=probe.watchdog, name="mlautotune-watchdog", daemon=True).start()
+    if probe.settings.get("lifeline"):  # ranks on other hosts: the tuner's kill of the local group does not reach them
+        from mlautotune.lifeline import hold
+
+        host, port, token = probe.settings["lifeline"]
+        hold((host, port), token)
     install(probe)
     probe.mark("script_start")
 

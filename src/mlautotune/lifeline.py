@@ -1,0 +1,112 @@
+"""A TCP lifeline from every rank to the tuner, so ranks on other hosts end with their experiment.
+
+Local ranks live in the experiment's process group, which the tuner kills. Ranks that the DeepSpeed
+launcher started on other nodes (pdsh, OpenMPI, Slurm) are out of reach of that kill, and a
+collective may wait a long time before it notices a dead peer. So each rank holds one connection
+to the tuner: when the tuner closes it (the experiment ended) or the tuner process dies (the OS
+closes its sockets), the rank sees end-of-file and kills its own process group.
+"""
+
+import os
+import signal
+import socket
+import sys
+import threading
+from typing import Callable, Dict, List, Optional, Tuple
+
+CONNECT_TIMEOUT_S = 10.0
+
+
+class Lifeline:
+    """The tuner's side: one listening socket per tuner process, connections grouped by experiment."""
+
+    def __init__(self):
+        self._server = socket.create_server(("", 0), backlog=64)
+        self._lock = threading.Lock()
+        self._conns: Dict[str, List[socket.socket]] = {}
+        self._cut: set = set()  # experiments already over: a rank that connects late is cut at once
+        threading.Thread(target=self._accept, name="mlautotune-lifeline", daemon=True).start()
+
+    @property
+    def address(self) -> Tuple[str, int]:
+        return socket.gethostname(), self._server.getsockname()[1]
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._register, args=(conn,), daemon=True).start()
+
+    def _register(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(CONNECT_TIMEOUT_S)
+            name = conn.recv(1024).decode(errors="replace").strip()
+            conn.settimeout(None)
+        except OSError:
+            conn.close()
+            return
+        with self._lock:
+            if name not in self._cut:
+                self._conns.setdefault(name, []).append(conn)
+                return
+        conn.close()
+
+    def connected(self, name: str) -> int:
+        with self._lock:
+            return len(self._conns.get(name, []))
+
+    def cut(self, name: str) -> None:
+        """The experiment `name` is over: every rank still holding on ends itself."""
+        with self._lock:
+            self._cut.add(name)
+            conns = self._conns.pop(name, [])
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            conn.close()
+
+
+_lifeline: Optional[Lifeline] = None
+_lifeline_lock = threading.Lock()
+
+
+def tuner_lifeline() -> Lifeline:
+    """This process's lifeline, started on first use."""
+    global _lifeline
+    with _lifeline_lock:
+        if _lifeline is None:
+            _lifeline = Lifeline()
+        return _lifeline
+
+
+def hold(address, name: str, on_cut: Optional[Callable[[], None]] = None) -> bool:
+    """The rank's side: connect to the tuner and, in a daemon thread, wait for the line to be cut.
+    Returns False if the tuner cannot be reached (the rank then relies on its process group)."""
+    host = "127.0.0.1" if address[0] == socket.gethostname() else address[0]
+    try:
+        conn = socket.create_connection((host, int(address[1])), timeout=CONNECT_TIMEOUT_S)
+        conn.sendall(name.encode() + b"\n")
+        conn.settimeout(None)
+    except OSError as e:
+        print(f"mlautotune probe: cannot reach the tuner's lifeline at {address[0]}:{address[1]} ({e})", file=sys.stderr)
+        return False
+
+    def wait() -> None:
+        try:
+            while conn.recv(1024):
+                pass
+        except OSError:
+            pass
+        (on_cut or end_own_group)()
+
+    threading.Thread(target=wait, name="mlautotune-lifeline", daemon=True).start()
+    return True
+
+
+def end_own_group() -> None:
+    print("mlautotune probe: the tuner ended this experiment (or is gone); ending this rank's processes", file=sys.stderr, flush=True)
+    os.killpg(os.getpgrp(), signal.SIGKILL)

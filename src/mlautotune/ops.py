@@ -1,0 +1,125 @@
+"""DeepSpeed's JIT-built ops: which ones an experiment will load, whether this machine has built
+them, and building them once, outside any experiment.
+
+A DeepSpeed wheel ships its C++ ops as sources; the first run that needs one compiles it into
+torch's extension cache (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), which on
+CPU takes about 100 s for the shm comm op alone. Done inside an experiment, that time would count
+against its timeout and its wall time, so setup and the session build them first.
+
+    python -m mlautotune.ops [ds_config.json]    # build what that config needs (setup.sh runs this)
+"""
+
+import subprocess
+import sys
+from typing import Any, Dict, List, Optional
+
+# The optimizer op DeepSpeed's engine loads for a ds_config optimizer type (runtime/engine.py
+# _configure_basic_optimizer): fused on the accelerator, the CPU one under optimizer offload.
+OPTIMIZER_OPS = {
+    "adam": ("FusedAdamBuilder", "CPUAdamBuilder"),
+    "adamw": ("FusedAdamBuilder", "CPUAdamBuilder"),
+    "lamb": ("FusedLambBuilder", None),
+    "lion": ("FusedLionBuilder", "CPULionBuilder"),
+    "adagrad": (None, "CPUAdagradBuilder"),
+}
+COMM_OP = "ShareMemCommBuilder"  # loaded by deepspeed.comm's torch backend at init (CPU accelerator)
+
+
+def needed(ds_config: Optional[Dict[str, Any]]) -> List[str]:
+    """The op builders (class names) an experiment with this ds_config will load."""
+    names = [COMM_OP]
+    ds_config = ds_config or {}
+    optimizer = ds_config.get("optimizer") if isinstance(ds_config.get("optimizer"), dict) else {}
+    zero = ds_config.get("zero_optimization") if isinstance(ds_config.get("zero_optimization"), dict) else {}
+    offload = zero.get("offload_optimizer") if isinstance(zero.get("offload_optimizer"), dict) else {}
+    fused, cpu = OPTIMIZER_OPS.get(str(optimizer.get("type", "")).lower(), (None, None))
+    op = cpu if str(offload.get("device", "none")).lower() == "cpu" else fused
+    return names + ([op] if op else [])
+
+
+def _builder(name: str):
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder(name)
+    return None if builder is None or type(builder).__name__ == "NotImplementedBuilder" else builder
+
+
+def unbuilt(names: List[str]) -> List[str]:
+    """Those of `names` this machine would compile on first use: compatible, not shipped prebuilt,
+    and not in torch's extension cache yet."""
+    import deepspeed.ops
+    from deepspeed.git_version_info import installed_ops
+    from torch.utils.cpp_extension import _get_build_directory
+
+    missing = []
+    for name in names:
+        builder = _builder(name)
+        if builder is None or installed_ops.get(builder.name) or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+            continue
+        build_dir = _get_build_directory(builder.name, verbose=False)
+        if not any(p.endswith(".so") for p in _listdir(build_dir)):
+            missing.append(name)
+    return missing
+
+
+def _listdir(path: str) -> List[str]:
+    import os
+
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def build(names: List[str], timeout_s: float = 1800.0) -> subprocess.CompletedProcess:
+    """Compile the ops in a child process (a failed build must not take the tuner down with it)."""
+    return subprocess.run([sys.executable, "-m", "mlautotune.ops", "--builders", *names], capture_output=True, text=True,
+                          timeout=timeout_s, stdin=subprocess.DEVNULL)
+
+
+def ensure_built(ds_config: Optional[Dict[str, Any]], say) -> float:
+    """Build what an experiment with this config would compile on first use; return the seconds spent.
+    A build that fails is reported and left to the experiments (which then fail with DeepSpeed's own error)."""
+    import time
+
+    missing = unbuilt(needed(ds_config))
+    if not missing:
+        return 0.0
+    started = time.monotonic()
+    say(f"mlautotune: building DeepSpeed's {accelerator()} ops ({', '.join(missing)}), once per machine; this time is not part of any experiment ...")
+    try:
+        done = build(missing)
+        ok, detail = done.returncode == 0, (done.stderr or done.stdout).strip().splitlines()[-3:]
+    except subprocess.TimeoutExpired:
+        ok, detail = False, ["the build took over 30 minutes"]
+    seconds = time.monotonic() - started
+    say(f"mlautotune: DeepSpeed's ops built in {seconds:.0f} s" if ok else
+        f"mlautotune: warning: building DeepSpeed's ops failed; experiments will build them themselves: {' | '.join(detail)}")
+    return seconds
+
+
+def accelerator() -> str:
+    from deepspeed.accelerator import get_accelerator
+
+    name = get_accelerator().device_name()
+    return "CPU" if name == "cpu" else name.upper()
+
+
+def main(argv: List[str]) -> None:
+    if argv[:1] == ["--builders"]:
+        for name in argv[1:]:
+            _builder(name).load(verbose=False)
+        return
+    import hjson
+
+    from mlautotune.session import BUNDLED_CONFIG
+
+    path = argv[0] if argv else BUNDLED_CONFIG
+    with open(path) as f:
+        ds_config = hjson.loads(f.read())
+    if not ensure_built(ds_config, print):
+        print("mlautotune: DeepSpeed's ops are already built on this machine")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

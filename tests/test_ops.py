@@ -1,0 +1,48 @@
+"""DeepSpeed's JIT ops are built once per machine, before any experiment, never inside one."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torch.utils.cpp_extension import _get_build_directory
+
+from mlautotune import ops
+
+
+def test_needed_follows_the_optimizer_and_its_offload():
+    assert ops.needed(None) == ["ShareMemCommBuilder"]
+    assert ops.needed({"optimizer": {"type": "AdamW"}}) == ["ShareMemCommBuilder", "FusedAdamBuilder"]
+    offload = {"optimizer": {"type": "Adam"}, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    assert ops.needed(offload) == ["ShareMemCommBuilder", "CPUAdamBuilder"]
+    assert ops.needed({"optimizer": {"type": "Adagrad"}}) == ["ShareMemCommBuilder"]  # only under offload
+    assert ops.needed({"optimizer": {"type": "SGD"}, "zero_optimization": "not a dict"}) == ["ShareMemCommBuilder"]
+
+
+def test_a_fresh_extension_cache_has_everything_unbuilt(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert ops.unbuilt(["ShareMemCommBuilder", "FusedAdamBuilder", "NoSuchBuilder"]) == ["ShareMemCommBuilder", "FusedAdamBuilder"]
+
+
+@pytest.mark.e2e
+def test_a_session_builds_missing_ops_before_its_first_experiment(tmp_path):
+    """A machine whose cache lacks fused_adam (its objects kept, so the build is a quick relink):
+    the command says it builds, builds before the experiment starts, and the experiment runs."""
+    assert ops.unbuilt(["ShareMemCommBuilder", "FusedAdamBuilder"]) == [], "setup.sh builds the ops"
+    real_cache = Path(_get_build_directory("fused_adam", verbose=False)).parent
+    cache = tmp_path / "torch_extensions"
+    shutil.copytree(real_cache, cache, ignore=shutil.ignore_patterns("lock"))  # a build in progress elsewhere
+    (cache / "fused_adam" / "fused_adam.so").unlink()
+
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(cache)}
+    argv = [sys.executable, "-m", "mlautotune", "experiment", "launcher.num_gpus=2", "tracking.enabled=false",
+            "script_args=--num_layers 1 --hidden_size 32 --num_heads 2 --seq_len 32 --vocab_size 256"]
+    done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    assert "building DeepSpeed's CPU ops (FusedAdamBuilder), once per machine" in out
+    assert out.index("DeepSpeed's ops built") < out.index("mlautotune: running")  # before, not inside, the experiment
+    assert (cache / "fused_adam" / "fused_adam.so").is_file()
+    assert "status: ok" in out
