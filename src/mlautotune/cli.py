@@ -1,6 +1,5 @@
 """The command line: `mlautotune [tune|plan|experiment|sync] key=value ...` (a Hydra application)."""
 
-import os
 import re
 import sys
 from pathlib import Path
@@ -96,9 +95,7 @@ def main(argv=None) -> None:
     # search.sampler is an open dict (the sampler's _target_ and arguments): let its keys be added.
     argv = [f"++{a}" if a.startswith(("search.sampler=", "search.sampler.")) else a for a in argv]
     register_configs()
-    # A tracking server that is down must cost seconds, not the minutes of MLflow's default retries.
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
+    # MLflow's HTTP retries and timeouts: see tracking.Tracker (it retries each call itself, with backoff).
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)

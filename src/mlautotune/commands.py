@@ -1,11 +1,13 @@
 """The commands: tune (and run), plan, experiment, sync. Glue from a session to search, tracking and reports."""
 
+import os
 import shlex
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -14,7 +16,9 @@ from mlautotune.console import Console
 from mlautotune.errors import UserError
 from mlautotune.files import atomic_write_text, read_json
 from mlautotune.experiment import plain_command
-from mlautotune.report import PROVENANCE_KEY, report_artifacts, write_reports
+from mlautotune.mlproject import KEYS
+from mlautotune.redact import redact, redact_args, redact_text
+from mlautotune.report import PROVENANCE_KEY, report_artifacts, session_metrics, write_reports
 from mlautotune.search import Outcome, Tuner, first_experiments
 from mlautotune.session import SESSION_FILE, Session, hardware_params, open_session
 from mlautotune.space import plan_text
@@ -30,13 +34,21 @@ def _raise_interrupt(signum, frame):
 
 
 def tune_command(cfg: DictConfig) -> None:
-    session = open_session(cfg)
+    session = open_session(cfg, lock=True)
+    try:
+        _tune(session)
+    finally:
+        session.release()
+
+
+def _tune(session: Session) -> None:
     console = Console(session.at.metric, session.at.tuner_num_trials)
     for notice in session.plan.notices:
         console.say(f"mlautotune: {notice}")
     study = session.open_study()
     tuner = Tuner(session.plan, session.search_settings(), study, session.make_experiment, session.run)
-    tracker = Tracker(session.cfg.tracking.tracking_uri, session.cfg.tracking.experiment_name, session.cfg.tracking.enabled)
+    tracker = Tracker(session.cfg.tracking.tracking_uri, session.cfg.tracking.experiment_name, session.cfg.tracking.enabled,
+                      say=console.say, results_dir=session.results_dir)
     resumed = len(tuner.outcome().measured)
     console.say(
         f"mlautotune: session {session.name} | stages {session.plan.stages} | metric {session.at.metric} | tuner {session.at.tuner_type}"
@@ -45,25 +57,33 @@ def tune_command(cfg: DictConfig) -> None:
     )
     console.say(f"mlautotune: results in {session.results_dir}")
     ops.ensure_built(session.ds_config, console.say)
-    session.write_record(status="running")
+    session.write_record(status="running", memory_limit_bytes=session.memory_limit_bytes)
     config_yaml = session.results_dir / "config.yaml"
-    atomic_write_text(config_yaml, OmegaConf.to_yaml(session.cfg))
-    tracker.open_parent(study, session.name, parent_params(session), {"mode": session.cfg.mode}, [session.ds_config_path, config_yaml])
+    atomic_write_text(config_yaml, OmegaConf.to_yaml(redact(OmegaConf.to_container(session.cfg, resolve=True))))
+    tracker.open_parent(study, session.name, parent_params(session), {"mode": session.cfg.mode}, [session.ds_config_path, config_yaml],
+                        group=multirun_group(), script=str(session.script))
+    if tracker.experiment_label():
+        console.say(f"mlautotune: tracked in {tracker.experiment_label()} at {redact_text(tracker.tracking_uri)}")
     tracker.drop_children(tuner.interrupted)
-    tuner.observers = [console, TrackingObserver(tracker)]
+    tuner.observers = [console, TrackingObserver(tracker, session.at.metric, session.memory_limit_bytes)]
 
     started = time.monotonic() - float(study.user_attrs.get("wall_time_s", 0.0))
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    status = "complete"
+    status, failure = "complete", None
     try:
         outcome = tuner.tune()
     except KeyboardInterrupt:
         status, outcome = "partial", tuner.outcome()
         console.say("mlautotune: interrupted; writing the best so far, marked partial. Run the same command again to resume.")
         tracker.kill_open_children()
+    except OSError as e:  # a full disk, a folder gone read-only: end cleanly with what there is
+        status, outcome, failure = "failed", tuner.outcome(), e
+        tracker.kill_open_children()
     finally:
         signal.signal(signal.SIGTERM, previous)
     wall = time.monotonic() - started
+    if failure is not None:
+        _fail_on_os_error(session, study, tracker, outcome, wall, failure, console)
     study.set_user_attr("wall_time_s", wall)
     if outcome.best is None and status == "complete":
         status = "failed"
@@ -71,21 +91,53 @@ def tune_command(cfg: DictConfig) -> None:
     console.say("")
     console.say((session.results_dir / "summary.txt").read_text().rstrip())
     if status != "complete":
-        tracker.close_parent(*closing)
+        tracker.close_parent(**closing)
     if status == "failed":
         reasons = "; ".join(f"{m.result.name}: {m.result.status}" for m in outcome.measured[:8])
         raise SessionFailed(f"no experiment succeeded, so there is no optimal configuration ({reasons}). See {session.results_dir}/summary.txt and each experiment's stderr.log.")
     if status == "partial":
         sys.exit(130)
     console.say(f"mlautotune: optimal config: {session.results_dir / 'ds_config_optimal.json'}")
-    console.say(f"mlautotune: command: {(session.results_dir / 'cmd_optimal.txt').read_text().strip()}")
+    console.say(f"mlautotune: command (secrets masked here, not in cmd_optimal.txt): {redact_text((session.results_dir / 'cmd_optimal.txt').read_text().strip())}")
     lr_advice(session, outcome, console)
     if session.cfg.mode == "run":
-        closing[0].update(final_training(session, study, tracker, outcome, console))
-    tracker.close_parent(*closing)
+        closing["metrics"].update(final_training(session, study, tracker, outcome, console))
+    tracker.close_parent(**closing)
 
 
-def finish(session: Session, study, tracker: Tracker, outcome: Outcome, status: str, wall: float) -> tuple:
+def _fail_on_os_error(session: Session, study, tracker: Tracker, outcome: Outcome, wall: float, error: OSError, console: Console) -> None:
+    """Write what can still be written, end the parent run as FAILED with the reason, exit 1."""
+    reason = f"writing {error.filename or 'a file'} failed: {error.strerror or error}"
+    try:
+        closing = finish(session, study, tracker, outcome, "partial", wall)
+        wrote = f"the partial results are in {session.results_dir}"
+    except OSError:
+        closing = {"metrics": session_metrics(outcome, session.at.metric, wall), "tags": {"status": "failed"}, "artifacts": [],
+                   "status": "FAILED", "step": len(study.trials), "note": ""}
+        wrote = "the partial results could not be written there either; they are in the MLflow parent run"
+    closing.update(status="FAILED", tags={**closing["tags"], "status": "failed", "failure_reason": reason})
+    closing["note"] = closing["note"] or summary_text(outcome, session)
+    tracker.close_parent(**closing)
+    raise SessionFailed(f"the session stopped because {reason} (is the disk full?); {wrote}. Free some space and run the same command again to resume.")
+
+
+def summary_text(outcome: Outcome, session: Session) -> str:
+    from mlautotune.report import summary_table
+
+    return summary_table(outcome, session.plan.stages)
+
+
+def multirun_group() -> Optional[str]:
+    """A value shared by the jobs of one Hydra multirun (their parents' grouping tag); None otherwise."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not (HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN):
+        return None
+    return os.environ.setdefault("MLAUTOTUNE_MULTIRUN", f"{socket.gethostname()}-{os.getpid()}-{int(time.time())}")
+
+
+def finish(session: Session, study, tracker: Tracker, outcome: Outcome, status: str, wall: float) -> Dict[str, Any]:
     """Write the reports; return the arguments that close the parent run."""
     best = outcome.best
     ds_optimal = session.make_experiment(best.params).ds_config if best else None
@@ -95,7 +147,9 @@ def finish(session: Session, study, tracker: Tracker, outcome: Outcome, status: 
         wall_time_s=wall, session=session.name, optimal_ds_config=ds_optimal, optimal_cmd=cmd, study=study,
     )
     session.write_record(**record)
-    return record["metrics"], record["tags"], report_artifacts(session.results_dir), parent_status(status)
+    summary = (session.results_dir / "summary.txt").read_text()
+    return {"metrics": record["metrics"], "tags": record["tags"], "artifacts": report_artifacts(session.results_dir),
+            "status": parent_status(status), "step": len(study.trials), "params": record.get("params", {}), "note": summary}
 
 
 def optimal_cmd(session: Session, params: Dict[str, Any], ds_config: Dict[str, Any]) -> str:
@@ -106,18 +160,26 @@ def optimal_cmd(session: Session, params: Dict[str, Any], ds_config: Dict[str, A
 
 
 def parent_params(session: Session) -> Dict[str, Any]:
-    params = {f"cfg.{k}": v for k, v in flatten(OmegaConf.to_container(session.cfg, resolve=True)).items() if not k.startswith("tuners.")}
-    params.update({f"user_ds_config.{k}": v for k, v in flatten(session.ds_config).items()})
+    """The parent's params, each once: the effective settings (not the tuner presets, not the
+    ds_config's own autotuning section, not what `mlflow run` already logged under its parameter
+    names), the user's ds_config, the script and the hardware. Empty values are left out."""
+    cfg = OmegaConf.to_container(session.cfg, resolve=True)
+    params = {k: v for k, v in flatten({k: cfg[k] for k in ("autotuning", "launcher", "search", "mode")}).items() if v not in (None, "", [])}
+    params.pop("autotuning.enabled", None)
+    params.update({f"user_ds_config.{k}": v for k, v in flatten({k: v for k, v in session.ds_config.items() if k != "autotuning"}).items()})
     params.update(
         {
             "script": str(session.script),
-            "script_args": " ".join(session.script_args),
+            "script_args": " ".join(redact_args(session.script_args)),
             "session": session.name,
             "stages": str(session.plan.stages),
             "results_dir": str(session.results_dir),
         }
     )
     params.update(hardware_params(session))
+    mlflow_run_params = os.environ.get("MLFLOW_RUN_ID") and os.environ.get("MLAUTOTUNE_MLPROJECT_PARAMS", "")
+    for name in (mlflow_run_params or "").split(","):  # logged by `mlflow run` under the MLproject's names
+        params.pop(KEYS.get(name, "-"), None)
     return params
 
 
@@ -143,16 +205,17 @@ def final_training(session: Session, study, tracker: Tracker, outcome: Outcome, 
     exp.name = "final_training"
     exp.ds_config = {k: v for k, v in exp.ds_config.items() if k not in ("autotuning", PROVENANCE_KEY)}
     exp.stop_after_window = False
-    exp.timeout_s = max(exp.timeout_s, 24 * 3600)
+    exp.timeout_s = session.at.final_training_timeout or float("inf")  # null: no cap
     console.say(f"mlautotune: final training with {outcome.best.result.name}'s configuration ...")
-    params, _, _ = child_payload(exp.params, {"status": "running", "name": exp.name, "metrics": {}}, exp.ds_config)
+    params, _, _ = child_payload(exp.params, {"status": "running", "name": exp.name}, session.memory_limit_bytes)
     number = -1  # not an Optuna trial
     tracker.child_started(number, exp.name, params, {"status": "running", "experiment": exp.name, "mlautotune.role": "final_training"})
+    exp.env.update(tracker.child_env(number))
     result = session.run(exp)
-    final_params, metrics, tags = child_payload(exp.params, result.to_dict(), {})
+    final_params, metrics, tags = child_payload(exp.params, result.to_dict(), session.memory_limit_bytes)
     if outcome.best.value is not None:
         metrics[f"tuning_estimate_{session.at.metric}"] = outcome.best.final_value
-    tracker.child_finished(number, metrics, tags, result.exp_dir, mlflow_status(result.status), final_params)
+    tracker.child_finished(number, exp.name, final_params, metrics, {**tags, "mlautotune.role": "final_training"}, result.exp_dir, mlflow_status(result.status))
     if result.status != "ok":
         raise SessionFailed(f"the final training ended as {result.status}: {result.reason.strip()[-500:]}")
     return check_against_tuning(result.metrics, tuned_throughput(session, outcome), outcome.best.result.metrics, console)
@@ -196,7 +259,7 @@ def plan_command(cfg: DictConfig) -> None:
 
 def experiment_command(cfg: DictConfig) -> None:
     """Run one experiment of the ds_config (the plan's first configuration) and print the result."""
-    session = open_session(cfg)
+    session = open_session(cfg, lock=True)
     exp = session.make_experiment(first_experiments(session.plan, session.world_size)[0])
     ops.ensure_built(session.ds_config, lambda text: print(text, flush=True))
     print(f"mlautotune: running {exp.name} ...", flush=True)
@@ -215,7 +278,8 @@ def experiment_command(cfg: DictConfig) -> None:
 
 
 def sync_command(cfg: DictConfig) -> None:
-    """Fill MLflow with a session's runs from its results directory (after a tracking outage)."""
+    """Fill MLflow with a session's runs from its results directory (after a tracking outage):
+    children that are missing are created, children left unfinished are completed."""
     import optuna
 
     results_dir = Path(cfg.autotuning.results_dir or "autotuning_results").expanduser().absolute()
@@ -225,21 +289,22 @@ def sync_command(cfg: DictConfig) -> None:
     record = read_json(path)
     study = optuna.load_study(study_name=record["session"], storage=record["storage"])
     tracking = record.get("tracking", {})
-    tracker = Tracker(cfg.tracking.tracking_uri or tracking.get("uri"), tracking.get("experiment_name") or cfg.tracking.experiment_name)
+    tracker = Tracker(cfg.tracking.tracking_uri or tracking.get("uri"), tracking.get("experiment_name") or cfg.tracking.experiment_name,
+                      attempts=2, results_dir=results_dir)
     config_yaml = results_dir / "config.yaml"
     tracker.open_parent(study, record["session"], {"session": record["session"], "results_dir": str(results_dir)}, {}, [config_yaml] if config_yaml.exists() else [])
     if not tracker.online:
-        raise SessionFailed(f"MLflow at {tracker.tracking_uri} cannot be reached; nothing was synced.")
+        raise SessionFailed(f"MLflow at {redact_text(tracker.tracking_uri)} cannot be reached; nothing was synced.")
     added = 0
+    limit = record.get("memory_limit_bytes")
     for t in study.get_trials(deepcopy=False):
         result = t.user_attrs.get("result")
-        if result is None or "duplicate_of" in t.user_attrs or tracker.has_child(t.number):
+        if result is None or "duplicate_of" in t.user_attrs or tracker.child_state(t.number) not in (None, "RUNNING"):
             continue
-        exp_json = Path(result["exp_dir"]) / "ds_config.json"
-        ds = read_json(exp_json) if exp_json.exists() else {}
-        params, metrics, tags = child_payload(dict(t.params), result, ds)
-        tracker.child_started(t.number, result["name"], params, tags)
-        tracker.child_finished(t.number, metrics, tags, result["exp_dir"], mlflow_status(result["status"]))
+        params, metrics, tags = child_payload(t.user_attrs.get("params") or {}, result, limit)
+        tracker.child_finished(t.number, result["name"], params, metrics, tags, result["exp_dir"], mlflow_status(result["status"]))
         added += 1
-    tracker.close_parent(record.get("metrics", {}), record.get("tags", {}), report_artifacts(results_dir), parent_status(record.get("status")))
-    print(f"mlautotune: synced {added} experiment runs of session {record['session']} to {tracker.tracking_uri} (parent run {tracker.parent_id})")
+    summary = results_dir / "summary.txt"
+    tracker.close_parent(record.get("metrics", {}), record.get("tags", {}), report_artifacts(results_dir), parent_status(record.get("status")),
+                         step=len(study.trials), params=record.get("params", {}), note=summary.read_text() if summary.exists() else "")
+    print(f"mlautotune: synced {added} experiment runs of session {record['session']} to {redact_text(tracker.tracking_uri)} (parent run {tracker.parent_id})")

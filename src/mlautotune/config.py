@@ -52,6 +52,7 @@ class AutotuningConf:
     # mlautotune's own additions.
     memory_limit_per_rank: Optional[str] = None  # "6GiB", "500MB" or bytes; None -> device memory (GPU) / host RAM share (CPU)
     experiment_timeout: float = 900.0  # seconds per experiment; the whole process group is killed after it
+    final_training_timeout: Optional[float] = None  # seconds for mode=run's final training; None: no cap
 
 
 @dataclass
@@ -63,7 +64,7 @@ class LauncherConf:
     hostfile: Optional[str] = None
     include: Optional[str] = None
     exclude: Optional[str] = None
-    master_port: int = 29500  # experiments use free ports from here on
+    master_port: Optional[int] = None  # None: each experiment gets a free port from the OS (retried on a clash)
     launcher: str = "pdsh"  # pdsh | openmpi | mvapich | slurm | mpich | impi (multi-node only)
     launcher_args: List[str] = field(default_factory=list)  # e.g. ["--no_ssh", "--bind_cores_to_rank"]
 

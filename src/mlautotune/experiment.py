@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 from mlautotune import probe
 from mlautotune.config import MeasureConf
 from mlautotune.errors import UserError
-from mlautotune.files import atomic_write_json, atomic_write_text, read_json
+from mlautotune.files import atomic_write_json, atomic_write_text, inside, read_json
 from mlautotune.lifeline import tuner_lifeline
 from mlautotune.scriptargs import set_deepspeed_config, set_flag
 
@@ -35,7 +35,7 @@ class Resources:
     hostfile: Optional[str] = None
     include: Optional[str] = None
     exclude: Optional[str] = None
-    master_port: int = 29500
+    master_port: Optional[int] = None  # None: a free port from the OS for each experiment
     launcher: str = "pdsh"
     launcher_args: List[str] = field(default_factory=list)
 
@@ -142,6 +142,7 @@ def plain_command(exp: Experiment, ds_config_path: str) -> List[str]:
 
 def port_is_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT left by our own ranks is no clash
         try:
             s.bind(("", port))
             return True
@@ -149,14 +150,19 @@ def port_is_free(port: int) -> bool:
             return False
 
 
-def reserve_port(start: int) -> int:
-    """The first port from `start` on that nothing listens on and no running experiment of ours holds."""
+def reserve_port(preferred: Optional[int] = None) -> int:
+    """A master port: `preferred` (launcher.master_port) on the first attempt if set and free, else
+    one the OS hands out (bind to port 0), never one a running experiment of ours holds."""
     with _ports_lock:
-        for port in range(start, min(start + 1000, 65536)):
-            if port not in _ports_in_use and port_is_free(port):
-                _ports_in_use.add(port)
-                return port
-    raise RuntimeError(f"no free TCP port in {start}..{start + 999}")
+        # A taken preferred port is not tried: ranks connecting to a stranger's listener can hang
+        # until the experiment's timeout instead of failing.
+        port = preferred if preferred is not None and port_is_free(preferred) else None
+        while port is None or port in _ports_in_use:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+        _ports_in_use.add(port)
+        return port
 
 
 def launch_command(exp: Experiment, exp_dir: Path, port: int, args: List[str], probed: bool = True) -> List[str]:
@@ -299,10 +305,32 @@ def classify(returncode: Optional[int], timed_out: bool, exp_dir: Path, timeout_
     return "failed", f"{headline}exit code {returncode}; last lines of stderr.log:\n{_tail(exp_dir / 'stderr.log')}", {}
 
 
+PORT_ATTEMPTS = 3
+
+
 def run_experiment(exp: Experiment, results_dir: Path) -> Result:
-    """Launch one experiment, wait for it (at most exp.timeout_s) and say how it ended. Leaves no process behind."""
-    started = time.time()
-    exp_dir = (Path(results_dir) / exp.name).absolute()
+    """Launch one experiment, wait for it (at most exp.timeout_s) and say how it ended. Leaves no process behind.
+
+    A launch that failed because its master port was taken meanwhile (a clash: another process
+    holds the port once our group is gone) is a launcher failure, not a result: it is launched
+    again on a port from the OS, at most PORT_ATTEMPTS times, each launch with the whole timeout."""
+    try:
+        exp_dir = inside(results_dir, exp.name)
+    except ValueError:
+        raise UserError(f"The experiment name {exp.name!r} would put its folder outside {results_dir}.", "Rename the ds_config keys that produce it.")
+    preferred = exp.resources.master_port
+    for attempt in range(PORT_ATTEMPTS):
+        result, port = _launch_once(exp, exp_dir, time.time(), preferred if attempt == 0 else None)
+        if result.status != "failed" or port_is_free(port):
+            break
+        clash = f"launch {attempt + 1} failed with master port {port} in use by another process; launching again on another port"
+        with open(exp_dir / "launches.log", "a") as f:
+            f.write(clash + "\n")
+    atomic_write_json(exp_dir / "result.json", result.to_dict())
+    return result
+
+
+def _launch_once(exp: Experiment, exp_dir: Path, started: float, preferred: Optional[int]) -> tuple:
     exp_dir.mkdir(parents=True, exist_ok=True)
     for stale in [exp_dir / probe.METRICS_FILE, exp_dir / "result.json", *exp_dir.glob("rank*.json")]:
         stale.unlink(missing_ok=True)
@@ -311,7 +339,8 @@ def run_experiment(exp: Experiment, results_dir: Path) -> Result:
     # Never DeepSpeed's own autotuning: its engine would stop the run at its own end_profile_step.
     atomic_write_json(ds_config_path, {k: v for k, v in exp.ds_config.items() if k != "autotuning"})
     args = experiment_args(exp, str(ds_config_path))
-    port = reserve_port(exp.resources.master_port)
+    port = reserve_port(preferred)
+    timeout = exp.timeout_s if exp.timeout_s != float("inf") else None
     token = uuid.uuid4().hex
     try:
         cmd = launch_command(exp, exp_dir, port, args)
@@ -321,7 +350,7 @@ def run_experiment(exp: Experiment, results_dir: Path) -> Result:
             "plain_cmd": plain_command(exp, str(ds_config_path)),
             "script_args": args, "user_script_args": exp.script_args, "arg_mappings": exp.arg_mappings,
             "resources": asdict(exp.resources), "master_port": port, "start_profile_step": exp.start_profile_step,
-            "end_profile_step": exp.end_profile_step, "memory_limit_bytes": exp.memory_limit_bytes, "timeout_s": exp.timeout_s,
+            "end_profile_step": exp.end_profile_step, "memory_limit_bytes": exp.memory_limit_bytes, "timeout_s": timeout,
             "measure": exp.measure, "env": exp.env})
         atomic_write_json(exp_dir / probe.SETTINGS_FILE, {
             "start_profile_step": exp.start_profile_step, "end_profile_step": exp.end_profile_step,
@@ -344,8 +373,7 @@ def run_experiment(exp: Experiment, results_dir: Path) -> Result:
     status, reason, metrics = classify(returncode, timed_out, exp_dir, exp.timeout_s)
     result = Result(name=exp.name, status=status, metrics=metrics, reason=reason, wall_time_s=time.time() - started,
                     exp_dir=str(exp_dir), returncode=returncode)
-    atomic_write_json(exp_dir / "result.json", result.to_dict())
-    return result
+    return result, port
 
 
 def _create_time() -> float:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -31,3 +32,18 @@ def atomic_write_json(path: str | os.PathLike, data: Any) -> Path:
 def read_json(path: str | os.PathLike) -> Any:
     with open(path) as f:
         return json.load(f)
+
+
+def safe_name(name: str) -> str:
+    """A name reduced to `[A-Za-z0-9._-]`, never empty, never `.` or `..`."""
+    cleaned = re.sub(r"[^A-Za-z0-9._-]", "", str(name))
+    return cleaned if cleaned.strip(".") else f"_{cleaned}"
+
+
+def inside(base: str | os.PathLike, name: str) -> Path:
+    """base/name, checked to lie under base (a hostile name cannot climb out of it)."""
+    root = Path(base).resolve()
+    path = (root / name).resolve()
+    if path == root or root not in path.parents:
+        raise ValueError(f"{name!r} would leave {root}")
+    return path

@@ -1,5 +1,6 @@
 """The MLproject's entry point: MLflow parameters -> Hydra overrides (empty ones dropped) -> the app."""
 
+import os
 import shlex
 import sys
 
@@ -34,6 +35,9 @@ def overrides(argv: list) -> list:
 
 
 def main() -> None:
+    # The params `mlflow run` logged on the run it created, so the session does not log them twice.
+    given = [a.partition("=")[0] for a in sys.argv[1:] if a.partition("=")[2] != ""]
+    os.environ["MLAUTOTUNE_MLPROJECT_PARAMS"] = ",".join(n for n in given if n in KEYS)
     sys.argv = [sys.argv[0], *overrides(sys.argv[1:])]
     cli.main()
 

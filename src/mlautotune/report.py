@@ -6,7 +6,6 @@ session with no successful experiment writes no optimal config at all.
 """
 
 import datetime
-import shlex
 from collections import Counter
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -50,10 +49,51 @@ def session_metrics(outcome: Outcome, metric: str, wall_time_s: float) -> Dict[s
     counts = Counter(m.result.status for m in outcome.measured)
     for status in STATUSES:
         out[f"num_{status}"] = counts.get(status, 0)
+    first = next((m for m in outcome.measured if m.value is not None), None)
+    if outcome.best is not None and first is not None and first.value:
+        ratio = outcome.best.final_value / first.value
+        out["speedup_over_first"] = 1 / ratio if metric == "latency" else ratio
+    out.update({k: float(v) for k, v in best_params(outcome).items() if isinstance(v, (int, float))})
     out["num_experiments"] = len(outcome.measured)
     out["num_launched_this_run"] = outcome.experiments
     out["tuning_wall_time_s"] = wall_time_s
     return out
+
+
+def best_params(outcome: Outcome) -> Dict[str, Any]:
+    """The winner's configuration under `best.` names: stage, micro_batch, gas and its knobs."""
+    return {f"best.{k}": v for k, v in (outcome.best.params.items() if outcome.best else ())}
+
+
+TRIALS_COLUMNS = ("experiment", "trial", "status", "stage", "micro_batch", "gas", "knobs", "throughput", "latency", "FLOPS_per_gpu",
+                  "peak_memory_bytes", "interval_rel", "wall_time_s", "reason")
+
+
+def trials_rows(outcome: Outcome) -> List[Dict[str, Any]]:
+    """One readable row per measured experiment (re-measurements included)."""
+    rows = []
+    for m in outcome.measured:
+        r = m.result
+        knobs = {k: v for k, v in m.params.items() if k not in ("stage", "micro_batch", "gas")}
+        rows.append({
+            "experiment": r.name, "trial": m.trial_number, "status": r.status, "stage": m.params.get("stage"),
+            "micro_batch": m.params.get("micro_batch"), "gas": m.params.get("gas"),
+            "knobs": " ".join(f"{k}={v}" for k, v in sorted(knobs.items())),
+            **{k: r.metrics.get(k) for k in ("throughput", "latency", "FLOPS_per_gpu", "peak_memory_bytes", "interval_rel")},
+            "wall_time_s": round(r.wall_time_s, 1), "reason": _last_line(r.reason),
+        })
+    return rows
+
+
+def write_trials_csv(path: Path, outcome: Outcome) -> None:
+    import csv
+    import io
+
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=TRIALS_COLUMNS)
+    writer.writeheader()
+    writer.writerows(trials_rows(outcome))
+    atomic_write_text(path, buf.getvalue())
 
 
 REPORT_FILES = ("summary.txt", "ds_config_optimal.json", "cmd_optimal.txt", "trials.csv", "session.json")
@@ -106,10 +146,7 @@ def write_reports(
         for name in ("ds_config_optimal.json", "cmd_optimal.txt"):
             (results_dir / name).unlink(missing_ok=True)
 
-    if study is not None:
-        df = study.trials_dataframe()
-        df = df[[c for c in df.columns if c not in ("user_attrs_result",)]]
-        atomic_write_text(results_dir / "trials.csv", df.to_csv(index=False))
+    write_trials_csv(results_dir / "trials.csv", outcome)
     plot_session(results_dir / "plots", outcome, metric)
 
     record = {
@@ -117,6 +154,7 @@ def write_reports(
         "session": session,
         "metrics": session_metrics(outcome, metric, wall_time_s),
         "tags": {"status": status, "best_experiment": best.result.name if best else "", "metric": metric},
+        "params": best_params(outcome),
     }
     atomic_write_json(results_dir / "session.json", record)
     return record

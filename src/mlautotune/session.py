@@ -20,8 +20,9 @@ from omegaconf import DictConfig, OmegaConf
 from mlautotune import config as configlib
 from mlautotune.errors import UserError
 from mlautotune.experiment import Experiment, Resources, Result, run_experiment, world_size
-from mlautotune.files import atomic_write_json, read_json
+from mlautotune.files import atomic_write_json, inside, read_json, safe_name
 from mlautotune.measure import thread_env
+from mlautotune.redact import remember_secrets
 from mlautotune.search import SearchSettings
 from mlautotune.space import TuningPlan, build_plan, experiment_config, experiment_name
 
@@ -30,7 +31,7 @@ BUNDLED_CONFIG = PACKAGE_DIR / "examples" / "ds_config.json"
 BUNDLED_SCRIPT = PACKAGE_DIR / "workloads" / "gpt.py"
 SESSION_FILE = "session.json"
 # Settings that do not change what a session measures: changing them resumes the same session.
-NOT_IDENTITY = ("results_dir", "exps_dir", "overwrite", "tuner_num_trials", "tuner_early_stopping", "experiment_timeout")
+NOT_IDENTITY = ("results_dir", "exps_dir", "overwrite", "tuner_num_trials", "tuner_early_stopping", "experiment_timeout", "final_training_timeout")
 
 
 @dataclass
@@ -49,6 +50,12 @@ class Session:
     storage: str
     memory_limit_bytes: int
     device: str
+    lock: Optional["SessionLock"] = None  # held while this process works on results_dir
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     @property
     def at(self) -> DictConfig:
@@ -92,7 +99,7 @@ class Session:
 
     def run(self, exp: Experiment) -> Result:
         """Launch one experiment; its description also goes to exps_dir, as DeepSpeed's tuner does."""
-        atomic_write_json(self.exps_dir / f"{exp.name}.json", {"name": exp.name, "params": exp.params, "ds_config": exp.ds_config})
+        atomic_write_json(inside(self.exps_dir, f"{exp.name}.json"), {"name": exp.name, "params": exp.params, "ds_config": exp.ds_config})
         with open(self.results_dir / "launches.log", "a") as f:
             f.write(f"{datetime.now().isoformat(timespec='seconds')} {exp.name}\n")
         return run_experiment(exp, self.results_dir)
@@ -113,10 +120,11 @@ class Session:
         atomic_write_json(path, record)
 
 
-def open_session(cfg: DictConfig, dry_run: bool = False) -> Session:
+def open_session(cfg: DictConfig, dry_run: bool = False, lock: bool = False) -> Session:
     """Validate every input and build the session. Any user mistake raises UserError.
 
     dry_run (plan): the same checks, but nothing is created: no folders, no MLflow store, no study.
+    lock: the results folder is locked for this process (another session there is refused).
     """
     overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     ds_path = _given_path(cfg.config, "config", "your ds_config.json", BUNDLED_CONFIG)
@@ -141,11 +149,82 @@ def open_session(cfg: DictConfig, dry_run: bool = False) -> Session:
     name = final.search.session or identity(final, ds_config, script, script_args)
     if final.autotuning.overwrite:
         name = f"{name}-{datetime.now():%Y%m%d-%H%M%S}"
-    _check_results_dir_owner(results_dir, name, final.autotuning.overwrite)
     storage = final.search.storage or f"sqlite:///{results_dir / 'optuna.db'}"
     _check_storage(storage)
     _check_tracking_uri(final.tracking.tracking_uri, create=not dry_run)
-    return Session(final, ds_path, ds_config, plan, script, script_args, resources, ws, results_dir, exps_dir, name, storage, limit, device)
+    remember_secrets(script_args, storage, final.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", ""), ds_config)
+    held = SessionLock(results_dir, name).acquire() if lock else None
+    try:
+        _check_results_dir_owner(results_dir, name, final.autotuning.overwrite)
+        if lock and final.autotuning.overwrite:
+            archive_previous_session(results_dir)
+    except BaseException:
+        held and held.release()
+        raise
+    return Session(final, ds_path, ds_config, plan, script, script_args, resources, ws, results_dir, exps_dir, name, storage, limit, device, held)
+
+
+LOCK_FILE = ".session.lock"
+KEEP_ON_ARCHIVE = (LOCK_FILE, "optuna.db", "previous_sessions")
+
+
+class SessionLock:
+    """An exclusive lock (fcntl.flock) on results_dir for as long as this process tunes there.
+    The lock file names the holder (pid, host, session). The kernel drops the lock when the
+    process dies, so a killed session never blocks its resume.
+
+    JOIN_AS_WORKER is the hook for several workers on one session (issue 15, not built): a worker
+    joining on purpose would take a shared lock here instead of the exclusive one."""
+
+    JOIN_AS_WORKER = False
+
+    def __init__(self, results_dir: Path, session: str):
+        self.path = results_dir / LOCK_FILE
+        self.session = session
+        self._fd: Optional[int] = None
+
+    def acquire(self) -> "SessionLock":
+        import fcntl
+
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if self.JOIN_AS_WORKER else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 4096).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise UserError(
+                f"The results folder {str(self.path.parent)!r} is in use by {holder}. Two sessions in one folder would mark "
+                "each other's experiments interrupted and overwrite each other's files.",
+                "Wait for that session to end (or stop it), or set autotuning.results_dir to another folder.",
+            )
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()} (session {self.session}, since {datetime.now():%Y-%m-%d %H:%M:%S})\n".encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the flock
+            self._fd = None
+
+
+def archive_previous_session(results_dir: Path) -> None:
+    """overwrite=true: the previous session's files move to previous_sessions/<its name>/, so the
+    new session's experiment folders are its own (nothing is deleted)."""
+    record = results_dir / SESSION_FILE
+    if not record.exists():
+        return
+    try:
+        old = safe_name(str(read_json(record).get("session") or "unknown"))
+    except (OSError, ValueError):
+        old = "unknown"
+    target = inside(results_dir / "previous_sessions", old)
+    if target.exists():
+        target = target.with_name(f"{old}-{datetime.now():%Y%m%d-%H%M%S}")
+    target.mkdir(parents=True)
+    for entry in results_dir.iterdir():
+        if entry.name not in KEEP_ON_ARCHIVE and not entry.name.startswith(".write-test"):
+            entry.rename(target / entry.name)
 
 
 def _given_path(value: Optional[str], key: str, what: str, bundled: Path) -> Path:

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from mlautotune.errors import UserError
+from mlautotune.files import safe_name
 
 
 @dataclass(frozen=True)
@@ -246,9 +247,9 @@ def _code_value(v: Any) -> str:
 def experiment_name(stage: int, gas: int, mbs: int, knobs: Dict[str, Any]) -> str:
     name = f"z{stage}_gas{gas}_tmbspg{mbs}"
     for k in sorted(knobs):
-        code = KNOB_CODES.get(k) or "".join(part[0] for part in k.split("_"))
+        code = KNOB_CODES.get(k) or "".join(part[0] for part in k.split("_") if part)
         name += f"_{code}{_code_value(knobs[k])}"
-    return name
+    return safe_name(name)  # a folder name: only [A-Za-z0-9._-], whatever the user's key names
 
 
 def experiment_config(plan: TuningPlan, stage: int, mbs: int, knobs: Dict[str, Any]) -> Dict[str, Any]:

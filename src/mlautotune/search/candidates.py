@@ -3,7 +3,7 @@ micro-batch bounds, and the Optuna distributions every trial's plain params are 
 
 import functools
 import json
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
 

@@ -1,0 +1,30 @@
+"""A user training script that does its own MLflow logging and takes a secret token.
+
+It logs `user_metric` with plain `mlflow.log_metric` (rank 0), prints its arguments and its
+MLFLOW_* environment the way DeepSpeed's multi-node runner prints the command it exports, and then
+trains the bundled GPT workload. Session tests check that the metric lands in the experiment's
+child run and that the printed secrets are masked in every uploaded log.
+"""
+
+import os
+import runpy
+import sys
+from pathlib import Path
+
+import mlflow
+
+import mlautotune
+
+args = sys.argv[1:]
+print(f"user script argv: {args}", flush=True)
+exports = "; ".join(f"export {k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MLFLOW_"))
+print(f"cmd = {exports}; python {sys.argv[0]}", flush=True)
+if "--hf_token" in args:
+    i = args.index("--hf_token")
+    args = args[:i] + args[i + 2 :]
+if os.environ.get("RANK", "0") == "0":
+    mlflow.log_metric("user_metric", 42.0)
+    mlflow.end_run()
+workload = Path(mlautotune.__file__).parent / "workloads" / "gpt.py"
+sys.argv = [str(workload), *args]
+runpy.run_path(str(workload), run_name="__main__")
