@@ -338,8 +338,8 @@ def validate_launcher(launcher: Any) -> None:
     for key in ("num_gpus", "num_nodes"):
         if launcher[key] is not None and launcher[key] < 1:
             raise UserError(f"launcher.{key}={launcher[key]} must be at least 1.", f"Pass launcher.{key}=<a positive integer>, or leave it unset to use what the machine has.")
-    if not 1 <= launcher.master_port <= 65535:
-        raise UserError(f"launcher.master_port={launcher.master_port} is not a TCP port.", "Use a port in 1..65535 (default 29500); experiments take free ports from there on.")
+    if launcher.master_port is not None and not 1 <= launcher.master_port <= 65535:
+        raise UserError(f"launcher.master_port={launcher.master_port} is not a TCP port.", "Use a port in 1..65535, or leave it unset: each experiment then takes a free port from the OS.")
 
 
 UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
