@@ -423,3 +423,11 @@ def test_a_failed_first_run_does_not_end_the_session():
     land = Landscape(fail_at=(0, 1))
     out = tuner(make_plan(stages=[0], mbs=MicroBatchRule("list", (1, 2, 4, 6))), land, tuner_type="gridsearch")[0].tune()
     assert out.best is not None and sorted(c["micro_batch"] for c in land.calls) == [1, 2, 4, 6]
+
+
+def test_the_trial_budget_counts_re_measurements():
+    """tuner_num_trials caps launches: a disturbed leader is not re-measured past the budget."""
+    land = Landscape(spread=0.05)  # a near-tie that would be re-measured 2 x 2 times with budget to spare
+    t, _ = tuner(make_plan(stages=[0], mbs=MicroBatchRule("list", (12, 13))), land, tuner_type="gridsearch", remeasure=2, num_trials=3)
+    out = t.tune()
+    assert len(land.calls) == 3 and out.best is not None

@@ -69,7 +69,7 @@ class Tuner:
             self._flush_notes()
             if step is None:
                 return None
-            if step.repeat_of is None and self.ledger.experiments >= self.s.num_trials:
+            if self.ledger.experiments >= self.s.num_trials:  # re-measurements are launches too: they count
                 return "budget"
             trial = self.ledger.claim(step.params, step.repeat_of)
             if trial is not None:
