@@ -36,6 +36,22 @@ def test_a_lock_left_by_a_killed_build_is_found_once_it_is_old(tmp_path, monkeyp
     assert ops.stale_locks(["ShareMemCommBuilder"]) == [str(lock)]
 
 
+def test_a_build_made_by_another_installation_counts_as_unbuilt(tmp_path, monkeypatch):
+    """Another virtualenv's build (other source paths in build.ninja): torch would rebuild it on first use."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    build = Path(_get_build_directory("fused_adam", verbose=False))
+    (build / "fused_adam.so").write_bytes(b"")
+    (build / "build.ninja").write_text("cflags = -I/elsewhere/.venv/lib/python3.11/site-packages/deepspeed/ops/csrc/includes\n")
+    assert ops.unbuilt(["FusedAdamBuilder"]) == ["FusedAdamBuilder"]
+    real = Path(_get_build_directory("fused_adam", verbose=False))
+    import deepspeed
+    import torch
+
+    here = [str(Path(m.__file__).parent) for m in (deepspeed, torch)]
+    (real / "build.ninja").write_text(" ".join(f"-I{p}/include" for p in here))
+    assert ops.unbuilt(["FusedAdamBuilder"]) == []
+
+
 @pytest.mark.e2e
 def test_a_session_builds_missing_ops_before_its_first_experiment(tmp_path):
     """A machine whose cache lacks fused_adam (its objects kept, so the build is a quick relink):

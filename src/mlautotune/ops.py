@@ -58,9 +58,26 @@ def unbuilt(names: List[str]) -> List[str]:
         if builder is None or installed_ops.get(builder.name) or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
             continue
         build_dir = _get_build_directory(builder.name, verbose=False)
-        if not any(p.endswith(".so") for p in _listdir(build_dir)):
+        if not any(p.endswith(".so") for p in _listdir(build_dir)) or not built_here(build_dir):
             missing.append(name)
     return missing
+
+
+def built_here(build_dir: str) -> bool:
+    """The cached build was made from this installation's DeepSpeed and torch: another virtualenv's
+    build has other source and include paths in its build.ninja, and torch would rebuild it on first
+    use, inside an experiment."""
+    import os
+
+    import deepspeed
+    import torch
+
+    try:
+        with open(os.path.join(build_dir, "build.ninja")) as f:
+            text = f.read()
+    except OSError:
+        return False
+    return all(os.path.dirname(os.path.abspath(m.__file__)) in text for m in (deepspeed, torch))
 
 
 def stale_locks(names: List[str], older_than_s: float = STALE_LOCK_S) -> List[str]:
