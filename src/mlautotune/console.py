@@ -25,11 +25,11 @@ class Console:
         self.say(f"  model info: {memory.num_params:,} parameters; memory model: {memory.describe()}")
 
     def _counter(self, exp: Any) -> str:
-        return "[ re-run]" if "_rep" in exp.name else f"[{self.count:>3}/{self.budget}]"
+        """Launches against the budget (re-measurements count: they are launches too)."""
+        return f"[{self.count:>3}/{self.budget}]" + (" re-run" if "_rep" in exp.name else "")
 
     def experiment_started(self, exp: Any, trial: Any) -> None:
-        if "_rep" not in exp.name:
-            self.count += 1
+        self.count += 1
         self.say(f"{self._counter(exp)} {exp.name} running ...")
 
     def experiment_finished(self, exp: Any, measured: Any, best: Optional[Any]) -> None:
