@@ -111,7 +111,8 @@ def test_interrupt_then_kill_then_resume(tmp_path, leftovers):
     launches = tmp_path / "autotuning_results" / "launches.log"
     lines = lambda: launches.read_text().splitlines() if launches.exists() else []
 
-    proc = cli(tmp_path, f"config={config}")
+    # Ctrl-C must reach it even when the test runner was started in the background (bash then ignores SIGINT in its children)
+    proc = cli(tmp_path, f"config={config}", preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     wait_for(lambda: len(lines()) >= 2, proc)  # the first experiment finished, the second runs
     proc.send_signal(signal.SIGINT)
     code, out = finish(proc, 120)
