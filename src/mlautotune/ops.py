@@ -9,6 +9,7 @@ against its timeout and its wall time, so setup and the session build them first
     python -m mlautotune.ops [ds_config.json]    # build what that config needs (setup.sh runs this)
 """
 
+import os
 import subprocess
 import sys
 from typing import Any, Dict, List, Optional
@@ -67,8 +68,6 @@ def built_here(build_dir: str) -> bool:
     """The cached build was made from this installation's DeepSpeed and torch: another virtualenv's
     build has other source and include paths in its build.ninja, and torch would rebuild it on first
     use, inside an experiment."""
-    import os
-
     import deepspeed
     import torch
 
@@ -83,7 +82,6 @@ def built_here(build_dir: str) -> bool:
 def stale_locks(names: List[str], older_than_s: float = STALE_LOCK_S) -> List[str]:
     """Build locks left by a build that was killed: torch waits on such a lock forever, so every
     experiment would hang at start-up. A build takes minutes; a lock this old belongs to no one."""
-    import os
     import time
 
     from torch.utils.cpp_extension import _get_build_directory
@@ -103,8 +101,6 @@ def stale_locks(names: List[str], older_than_s: float = STALE_LOCK_S) -> List[st
 
 
 def _listdir(path: str) -> List[str]:
-    import os
-
     try:
         return os.listdir(path)
     except OSError:
@@ -121,8 +117,6 @@ def ensure_built(ds_config: Optional[Dict[str, Any]], say) -> float:
     """Build what an experiment with this config would compile on first use; return the seconds spent.
     A build that fails is reported and left to the experiments (which then fail with DeepSpeed's own error)."""
     import time
-
-    import os
 
     for lock in stale_locks(needed(ds_config)):
         say(f"mlautotune: removing {lock}, left by a DeepSpeed op build that was killed (it would make every experiment wait forever)")
