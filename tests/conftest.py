@@ -1,4 +1,7 @@
 """Shared fixtures: a tiny CPU experiment through the real DeepSpeed launcher, and a leftover-process check."""
+import json
+import os
+from pathlib import Path
 
 import psutil
 import pytest
@@ -28,13 +31,19 @@ def tiny_experiment():
 
 @pytest.fixture
 def leftovers():
-    """A function: the live (non-zombie) processes whose command line mentions `text`, e.g. an experiment folder."""
+    """A function: what is left of an experiment (`text` is its folder, or any command-line text): the
+    live (non-zombie) processes whose command line mentions `text`, and, for every experiment folder
+    under `text`, the shared-memory buffers DeepSpeed's CPU all-reduce created on its master port."""
 
     def find(text: str) -> list:
         found = []
         for p in psutil.process_iter(["cmdline", "status"]):
             if p.info["status"] != psutil.STATUS_ZOMBIE and any(text in part for part in (p.info["cmdline"] or [])):
                 found.append(p)
+        root = Path(text)
+        for exp_json in ([root / "exp.json"] if (root / "exp.json").is_file() else root.glob("**/exp.json")) if root.is_dir() else []:
+            port = json.loads(exp_json.read_text())["master_port"]
+            found += sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
         return found
 
     return find

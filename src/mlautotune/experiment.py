@@ -22,7 +22,7 @@ from mlautotune import probe
 from mlautotune.config import MeasureConf
 from mlautotune.errors import UserError
 from mlautotune.files import atomic_write_json, atomic_write_text, inside, read_json
-from mlautotune.lifeline import tuner_lifeline
+from mlautotune.lifeline import release_shared_memory, tuner_lifeline
 from mlautotune.scriptargs import set_deepspeed_config, set_flag
 
 STATUSES = ("ok", "oom", "timeout", "failed", "incomplete")
@@ -365,6 +365,7 @@ def _launch_once(exp: Experiment, exp_dir: Path, started: float, preferred: Opti
             timed_out, measured = _wait(proc, exp_dir, budget, graceful=bool(exp.resources.hostfile))
     finally:
         tuner_lifeline().cut(token)  # ranks on other hosts end too
+        release_shared_memory(port)  # what the ranks could not remove themselves (killed, failed)
         with _ports_lock:
             _ports_in_use.discard(port)
 

@@ -12,6 +12,7 @@ import signal
 import socket
 import sys
 import threading
+from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 CONNECT_TIMEOUT_S = 10.0
@@ -109,4 +110,29 @@ def hold(address, name: str, on_cut: Optional[Callable[[], None]] = None) -> boo
 
 def end_own_group() -> None:
     print("mlautotune probe: the tuner ended this experiment (or is gone); ending this rank's processes", file=sys.stderr, flush=True)
+    release_own_shared_memory()
     os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+SHM_DIR = Path("/dev/shm")
+
+
+def release_shared_memory(port, rank="*") -> None:
+    """Remove the shared-memory all-reduce buffers of the experiment on master port `port`, on this host.
+
+    DeepSpeed's CPU all-reduce (the shm comm op) creates one 66 MiB buffer per rank, named
+    deepspeed_allreduce_buffer_<uid>_<master addr>_<master port>_<rank>, and never unlinks it: a
+    session of 100 two-rank experiments would leave 13 GiB in /dev/shm, which is RAM. Each rank removes
+    its own as it ends (on every node), and the tuner removes what is left on its host once the
+    experiment is over (the port is the experiment's until then). GPU runs have no such buffers."""
+    for path in SHM_DIR.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_{rank}"):
+        try:
+            path.unlink()
+        except OSError:
+            pass
+
+
+def release_own_shared_memory() -> None:
+    """A rank's side, as it ends: its own buffer (the other ranks' mappings stay valid; only a new open would fail)."""
+    if os.environ.get("MASTER_PORT") and os.environ.get("RANK"):
+        release_shared_memory(os.environ["MASTER_PORT"], os.environ["RANK"])

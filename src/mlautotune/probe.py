@@ -26,6 +26,7 @@ import threading
 import time
 
 from mlautotune import measure
+from mlautotune.lifeline import release_own_shared_memory
 
 PROBE_START = time.time()  # before torch and deepspeed are imported: the start of "imports"
 
@@ -122,6 +123,7 @@ class Probe:
                 next_tuner_check = time.monotonic() + 1.0
                 if not process_is_alive(s["tuner_pid"], s["tuner_create_time"]) and os.getpgrp() != s["tuner_pgid"]:
                     print(f"mlautotune probe: tuner {s['tuner_pid']} is gone; ending the experiment", file=sys.stderr)
+                    release_own_shared_memory()
                     os.killpg(os.getpgrp(), signal.SIGKILL)
             time.sleep(WATCH_INTERVAL_S)
 
@@ -212,6 +214,7 @@ class Probe:
             return  # the final training: keep training to the script's own end
         if dist.is_initialized():
             dist.barrier()
+        release_own_shared_memory()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
