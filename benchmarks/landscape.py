@@ -73,6 +73,7 @@ class LandscapeRunner:
         self.rng = random.Random(f"noise-{seed}")
         self.log: List[Dict[str, Any]] = []  # one entry per measurement, in order
         self.wall_time_s = 0.0
+        self.clock: Optional[float] = None  # simulated time the current measurement ends (parallel.py), if simulated
 
     def measure(self, params: Dict[str, Any]) -> Answer:
         status, metrics, wall = self.truth(params)
@@ -81,7 +82,8 @@ class LandscapeRunner:
 
             metrics = gpu_model.noisy(metrics, self.rng)
         self.wall_time_s += wall
-        self.log.append({"params": dict(params), "status": status, "value": self.true_value(params), "wall_time_s": wall})
+        self.log.append({"params": dict(params), "status": status, "value": self.true_value(params), "wall_time_s": wall,
+                         **({} if self.clock is None else {"end_s": self.clock})})
         return status, metrics, wall
 
     @property

@@ -23,11 +23,13 @@ import argparse
 import json
 import logging
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).parent))
 import ds_baseline  # noqa: E402
+import parallel  # noqa: E402
 import tables  # noqa: E402
 from landscape import LandscapeRunner, load, noisy  # noqa: E402
 
@@ -35,8 +37,9 @@ HERE = Path(__file__).parent
 STRATEGIES = ("model_based", "gridsearch", "random", "deepspeed_baseline")
 
 
-def run_product(land: Dict[str, Any], runner: LandscapeRunner, tuner_type: str, seed: int) -> Optional[Dict[str, Any]]:
-    """The adapter to the product: run its search with its defaults on the landscape; the declared optimum's params."""
+def run_product(land: Dict[str, Any], runner: LandscapeRunner, tuner_type: str, seed: int, workers: int = 1) -> Optional[Dict[str, Any]]:
+    """The adapter to the product: run its search with its defaults on the landscape, with `workers`
+    tuners on one study in simulated time (parallel.py); the declared optimum's params."""
     import optuna
     import yaml
 
@@ -62,18 +65,22 @@ def run_product(land: Dict[str, Any], runner: LandscapeRunner, tuner_type: str, 
         status, metrics, wall = runner.measure(exp.params)
         return Result(exp.name, status, metrics, "" if status == "ok" else f"{status} (landscape)", wall)
 
+    def make_tuner(storage):
+        study = optuna.create_study(storage=storage, study_name="replay", direction="maximize", load_if_exists=True)
+        return Tuner(plan, replace(settings, alone=workers == 1), study, make_experiment, run)
+
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     logging.getLogger("mlautotune").setLevel(logging.ERROR)
-    outcome = Tuner(plan, settings, optuna.create_study(direction="maximize"), make_experiment, run).tune()
-    return dict(outcome.best.params) if outcome.best else None
+    best = parallel.simulate(make_tuner, optuna.storages.InMemoryStorage(), workers, runner).best()
+    return dict(best.params) if best else None
 
 
-def replay(land: Dict[str, Any], strategy: str, seed: int):
+def replay(land: Dict[str, Any], strategy: str, seed: int, workers: int = 1):
     """One search on one landscape: (runner with its log, declared optimum's params or None)."""
     runner = LandscapeRunner(land, seed=seed)
-    if strategy == "deepspeed_baseline":
+    if strategy == "deepspeed_baseline":  # sequential: each step needs the result of the one before
         return runner, ds_baseline.run(runner.measure, land, seed=seed)
-    return runner, run_product(land, runner, strategy, seed)
+    return runner, run_product(land, runner, strategy, seed, workers)
 
 
 def score(runs: List[Dict[str, Any]], grid_best: float) -> List[Dict[str, Any]]:
@@ -83,9 +90,9 @@ def score(runs: List[Dict[str, Any]], grid_best: float) -> List[Dict[str, Any]]:
     for r in runs:
         reached: Dict[float, int] = {}
         so_far, wall, wall99 = 0.0, 0.0, None
-        for i, e in enumerate(r["log"], 1):
+        for i, (e, end) in enumerate(zip(r["log"], parallel.finish_times(r["log"])), 1):
             so_far = max(so_far, e["value"] or 0.0)
-            wall += e["wall_time_s"]
+            wall = max(wall, end)
             for level in (0.95, 0.99):
                 if level not in reached and so_far >= level * best:
                     reached[level] = i
@@ -93,7 +100,7 @@ def score(runs: List[Dict[str, Any]], grid_best: float) -> List[Dict[str, Any]]:
                         wall99 = wall
         n = len(r["log"])
         records.append({
-            "landscape": r["landscape"], "strategy": r["strategy"], "seed": r["seed"],
+            "landscape": r["landscape"], "strategy": r["strategy"], "seed": r["seed"], "workers": r.get("workers", 1),
             "to95": reached.get(0.95), "to99": reached.get(0.99), "regret": 1 - (r["found"] or 0.0) / best,
             "experiments": n, "wall_hours": wall / 3600, "wall_hours_to99": None if wall99 is None else wall99 / 3600,
             "failures": sum(e["status"] != "ok" for e in r["log"]), "after99": None if 0.99 not in reached else n - reached[0.99],
@@ -112,15 +119,20 @@ def main():
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--json", metavar="OUT", help="write one record per landscape x strategy x seed")
     ap.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset of " + ", ".join(STRATEGIES))
+    ap.add_argument("--workers", default="1", help="comma-separated worker counts, e.g. 1,2,4 (simulated wall-clock time; "
+                    "the deepspeed baseline is sequential and runs with 1 only)")
     args = ap.parse_args()
+    counts = [int(n) for n in args.workers.split(",")]
     records = []
     for path in args.landscapes:
         land = load(path)
         runs = []
         for strategy in args.strategies.split(","):
-            for seed in range(args.seeds):
-                runner, found = replay(land, strategy, seed)
-                runs.append({"landscape": land["name"], "strategy": strategy, "seed": seed, "log": runner.log, "found": runner.true_value(found)})
+            for workers in ([1] if strategy == "deepspeed_baseline" else counts):
+                for seed in range(args.seeds):
+                    runner, found = replay(land, strategy, seed, workers)
+                    runs.append({"landscape": land["name"], "strategy": strategy, "seed": seed, "workers": workers, "log": runner.log,
+                                 "found": runner.true_value(found)})
         records += score(runs, grid_best(land))
         print(tables.landscape_table(records, land["name"]), flush=True)
         if not noisy(land):
@@ -128,6 +140,8 @@ def main():
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1))
     print(tables.targets(records))
+    if len(counts) > 1:
+        print(tables.workers_table(records))
 
 
 if __name__ == "__main__":

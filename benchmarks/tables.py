@@ -28,8 +28,8 @@ def steps(values: List[Optional[int]]) -> str:
     return f"{text} ({never}/{len(values)} never)" if never else text
 
 
-def rows(records: List[Dict[str, Any]], landscape: str, strategy: str) -> List[Dict[str, Any]]:
-    return [r for r in records if r["landscape"] == landscape and r["strategy"] == strategy]
+def rows(records: List[Dict[str, Any]], landscape: str, strategy: str, workers: int = 1) -> List[Dict[str, Any]]:
+    return [r for r in records if r["landscape"] == landscape and r["strategy"] == strategy and r.get("workers", 1) == workers]
 
 
 def landscape_table(records: List[Dict[str, Any]], landscape: str) -> str:
@@ -82,11 +82,49 @@ def targets(records: List[Dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def hours(h: float) -> str:
+    return "never" if h == INF else f"{h:.2f}"
+
+
+def workers_table(records: List[Dict[str, Any]]) -> str:
+    """Wall hours to 99% (median over seeds, never = infinity) and experiments to 99% against the
+    number of workers, per landscape and strategy; then, per strategy, the median over landscapes
+    of wall hours to 99% with the most workers over those with 1 (a miss with the most workers is
+    infinity, a miss with 1 alone 0)."""
+    counts = sorted({r.get("workers", 1) for r in records})
+    landscapes = list(dict.fromkeys(r["landscape"] for r in records))
+    out = ["\n### Wall hours to 99% against the number of workers (simulated)\n",
+           "| landscape | strategy | " + " | ".join(f"{n} worker{'s' * (n > 1)}: wall hours to 99% (experiments)" for n in counts) + " |",
+           "|---|---|" + "---:|" * len(counts)]
+    ratios: Dict[str, List[float]] = {}
+    for name in landscapes:
+        for strategy in STRATEGIES:
+            cells = {n: rows(records, name, strategy, n) for n in counts}
+            if not any(cells.values()):
+                continue
+            out.append(f"| {name} | {strategy} | " + " | ".join(
+                f"{hours(median([r['wall_hours_to99'] for r in rs]))} ({steps([r['to99'] for r in rs])})" if rs else "sequential: 1 worker only"
+                for rs in cells.values()) + " |")
+            if len(counts) > 1 and cells[counts[0]] and cells[counts[-1]]:
+                ratios.setdefault(strategy, []).append(ratio(median([r["wall_hours_to99"] for r in cells[counts[-1]]]),
+                                                             median([r["wall_hours_to99"] for r in cells[counts[0]]])))
+    out.append("")
+    for strategy, rs in ratios.items():
+        med = statistics.median(rs)
+        out.append(f"- {strategy}: wall hours to 99% with {counts[-1]} workers / with {counts[0]}, median over {len(rs)} landscapes: "
+                   f"{'never' if med == INF else f'{med:.2f}'}" + (" (target <= 0.35)" if strategy == "model_based" else ""))
+    if "deepspeed_baseline" not in ratios and any(r["strategy"] == "deepspeed_baseline" for r in records):
+        out.append("- deepspeed_baseline: sequential (each experiment waits for the one before it), so it runs with 1 worker only")
+    return "\n".join(out)
+
+
 def main(path: str) -> None:
     records = json.loads(open(path).read())
     for name in dict.fromkeys(r["landscape"] for r in records):
         print(landscape_table(records, name))
     print(targets(records))
+    if len({r.get("workers", 1) for r in records}) > 1:
+        print(workers_table(records))
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ class Tuner:
             self._flush_notes()
             if step is None:
                 return None
-            if self.ledger.experiments >= self.s.num_trials:  # re-measurements are launches too: they count
+            if self.ledger.experiments + len(self.ledger.pending) >= self.s.num_trials:  # re-measurements and others' pending trials are launches too
                 return "budget"
             trial = self.ledger.claim(step.params, step.repeat_of)
             if trial is not None:
