@@ -431,3 +431,47 @@ def test_the_trial_budget_counts_re_measurements():
     t, _ = tuner(make_plan(stages=[0], mbs=MicroBatchRule("list", (12, 13))), land, tuner_type="gridsearch", remeasure=2, num_trials=3)
     out = t.tune()
     assert len(land.calls) == 3 and out.best is not None
+
+
+# ---- several workers: proposals while other trials are in flight ---------------------------------------
+def workers(plan, n=2, land=None, **settings):
+    storage = optuna.storages.InMemoryStorage()
+    return [tuner(plan, land or Landscape(), storage, alone=False, poll_seconds=0, **settings)[0] for _ in range(n)]
+
+
+def test_pending_sizes_split_the_micro_batch_stretches():
+    """A size another worker is measuring bounds a stretch like a measured one: the next probe goes
+    between the measured and the pending size, not next to the pending one."""
+    from mlautotune.search.microbatch import peak_probe
+
+    own = [(1, 10.0), (4, 30.0)]
+    alone, _ = peak_probe(own, [], list(range(1, 41)), {1, 4}, 0.0, high_probe=40)
+    beside, _ = peak_probe(own, [], list(range(1, 41)), {1, 4, 40}, 0.0, high_probe=40, pending={40})
+    assert alone == 40 and 10 <= beside <= 16  # the log-midpoint of 4 and 40, not 39
+    assert peak_probe([], [], [1, 2, 4], {1}, 0.0, pending={1}) == (None, math.inf)  # a line's first look in flight: wait for it
+
+
+def test_a_second_worker_goes_to_a_stage_nobody_is_measuring():
+    a, b = workers(make_plan(stages=[0, 1, 2]))
+    for _ in range(3):  # profiling runs to completion, then both ask at once
+        a.run(*a.propose())
+    first, second = a.propose(), b.propose()
+    assert first[0].params["stage"] != second[0].params["stage"]
+
+
+def test_a_pending_re_measurement_is_not_proposed_twice():
+    """Two near-tied leaders (5% step-time spread): while one worker re-measures the first, the
+    other re-measures the second, not the first again."""
+    a, b, c = workers(make_plan(stages=[0], mbs=MicroBatchRule("list", (12, 13))), n=3, land=Landscape(spread=0.05), tuner_type="gridsearch", remeasure=1)
+    for _ in range(2):
+        a.run(*a.propose())
+    first, second = a.propose(), b.propose()
+    assert first[1].repeat_of is not None and second[1].repeat_of is not None
+    assert first[0].params != second[0].params
+    assert c.propose() is None  # one repeat each is in flight: nothing more to re-measure
+
+
+def test_the_budget_counts_other_workers_pending_trials():
+    a, b = workers(make_plan(stages=[0, 1]), num_trials=2)
+    assert isinstance(a.propose(), tuple) and isinstance(b.propose(), tuple)
+    assert a.propose() == "budget"

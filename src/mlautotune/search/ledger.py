@@ -110,6 +110,7 @@ class Ledger:
         self.order: List[Measured] = []
         self.interrupted: List[int] = []  # trials found cut off when the session resumed
         self.pending: Dict[int, Dict[str, Any]] = {}  # RUNNING trials of other workers: number -> params
+        self.pending_repeats: Dict[str, int] = {}  # of those, re-measurements: params key -> how many
         self._loaded: set = set()
         self._mine: set = set()  # trial numbers this process is running
         self._adopt_dead_trials(alone)
@@ -131,12 +132,15 @@ class Ledger:
 
     def refresh(self) -> None:
         """Take in the trials finished since the last look (this worker's and others'), and the pending ones."""
-        self.pending = {}
+        self.pending, self.pending_repeats = {}, {}
         for t in self.study.get_trials(deepcopy=False):
             if t.number in self._loaded or t.number in self._mine:
                 continue
             if t.state in (TrialState.RUNNING, TrialState.WAITING):
                 self.pending[t.number] = trial_params(t)
+                if "repeat_of" in t.user_attrs:
+                    key = params_key(trial_params(t))
+                    self.pending_repeats[key] = self.pending_repeats.get(key, 0) + 1
                 continue
             self._loaded.add(t.number)
             if "result" in t.user_attrs and "duplicate_of" not in t.user_attrs:

@@ -147,7 +147,8 @@ def stretched(points: Sequence[Point], edge: Optional[int], new_edge: Optional[i
 
 
 def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Sequence[int], taken: Set[int], target: float,
-               prior_ratio: float = 1.0, high_probe: Optional[int] = None, rate: bool = True) -> Tuple[Optional[int], float]:
+               prior_ratio: float = 1.0, high_probe: Optional[int] = None, rate: bool = True,
+               pending: Set[int] = frozenset()) -> Tuple[Optional[int], float]:
     """The next micro-batch to measure on this line and its optimistic value, or (None, best bound)
     when no unmeasured stretch can beat `target`.
 
@@ -155,7 +156,9 @@ def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Seq
     of its candidates (own points plus the scaled reference), and the best-priced one is probed: at
     its log-midpoint, at half the smallest size for the stretch below everything measured, and at
     `high_probe` (the edge search's next size) or its top for the stretch above. `rate`: values
-    are per-sample rates (throughput), so `linear_cap` applies too."""
+    are per-sample rates (throughput), so `linear_cap` applies too. `pending`: sizes being measured
+    by other workers; they split stretches like measured sizes (so parallel probes spread out) but
+    carry no value, and a line with nothing measured yet waits for its pending first look."""
 
     def _bound(points: Sequence[Point], m: int) -> float:
         """The own points' concave bound (and linear cap); outside their range, at most the line
@@ -171,8 +174,10 @@ def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Seq
         return None, -math.inf
     pts = list(own) + scaled_reference(own, reference, prior_ratio)
     if not own and not pts:
+        if pending:
+            return None, math.inf
         return (high_probe if high_probe in free else max(free)), math.inf
-    sizes = sorted(m for m, _ in own)
+    sizes = sorted({m for m, _ in own} | set(pending))
     stretches: Dict[Tuple[int, int], List[int]] = {}
     for m in free:
         below = max((s for s in sizes if s < m), default=0)

@@ -60,6 +60,8 @@ class Strategy:
         self.low = min(plan.micro_batch.values)
         self.notes: List[str] = []
         self.memory: Optional[MemoryModel] = None
+        self.pending_params: List[Dict[str, Any]] = []  # configurations other workers are measuring
+        self.pending_repeats: Dict[str, int] = {}  # re-measurements other workers are running, by configuration key
 
     def note(self, text: str) -> None:
         if text not in self.notes:
@@ -78,25 +80,33 @@ class Strategy:
     # ---- the next step ------------------------------------------------------------------------------
     def next(self, ledger: Ledger) -> Optional[Step]:
         runs, taken = ledger.order, ledger.taken()
+        self.pending_params = list(ledger.pending.values())
+        self.pending_repeats = ledger.pending_repeats
         self.memory = self._memory_model(runs)
         step = self._profile_step(runs, taken)
         if step is not None or not any(m.ok for m in runs):
             return step
         best = self.best(runs)
-        if best is not None and best.disturbed and self.s.remeasure > 0:
+        if best is not None and best.disturbed and self.s.remeasure > 0 and not self._repeats_pending(best):
             return Step(best.params, f"{best.result.name} was disturbed: re-measured before it can win", repeat_of=best)
         target = self.score(best.final_value) * (1 + self._margin(runs, best)) if best else 0.0
-        stages = [s for s in self.plan.stages if self._feasible(s)]
+        stages = self._spread([s for s in self.plan.stages if self._feasible(s)])
         for stage in stages:
             step = self._micro_batch_step(stage, runs, taken, target)
             if step is not None:
                 return step
-        by_promise = sorted(stages, key=lambda s: -(self.score((self._stage_best(runs, s) or best).final_value) or 0))
+        by_promise = self._spread(sorted(stages, key=lambda s: -(self.score((self._stage_best(runs, s) or best).final_value) or 0)))
         for stage in by_promise:
             step = self._knob_step(stage, runs, taken, target, ledger) or self._joint_step(stage, runs, taken, target)
             if step is not None:
                 return step
         return self._remeasure_step(runs)
+
+    def _spread(self, stages: List[int]) -> List[int]:
+        """Stages nobody is measuring first (in their order), then those with trials in flight: with
+        several workers, each goes where its result is not already on the way."""
+        busy = {p["stage"] for p in self.pending_params}
+        return [s for s in stages if s not in busy] + [s for s in stages if s in busy]
 
     def _margin(self, runs: List[Measured], best: Measured) -> float:
         """The interval of one measurement (a candidate is measured once): the median of the runs'."""
@@ -238,7 +248,8 @@ class Strategy:
             high = min(high, min(ooms) - 1)
         candidates = self._candidates(stage, high)
         taken_sizes = self._taken_sizes(stage, knobs, taken, candidates) | set(ooms)
-        mbs, bound = peak_probe(own, reference, candidates, taken_sizes, target, prior_ratio, high_probe=edge, rate=self.s.metric != "latency")
+        pending = {p["micro_batch"] for p in self.pending_params if p["stage"] == stage and knobs_of_params(p) == knobs}
+        mbs, bound = peak_probe(own, reference, candidates, taken_sizes, target, prior_ratio, high_probe=edge, rate=self.s.metric != "latency", pending=pending)
         if mbs is None:
             return None
         return Step(with_knobs(self.plan, stage, mbs, knobs), f"z{stage}: micro-batch {mbs} may reach {bound:.4g}")
@@ -320,7 +331,7 @@ class Strategy:
         """The best two, if their values overlap within their intervals, are measured again in turn
         until they separate or each has `remeasure` repeats (at most 2 x remeasure repeats in all)."""
         ok = sorted((m for m in runs if m.value is not None), key=lambda m: -self.score(m.final_value))
-        if len(ok) < 2 or self.s.remeasure <= 0 or sum(len(m.repeats) for m in ok) >= 2 * self.s.remeasure:
+        if len(ok) < 2 or self.s.remeasure <= 0 or sum(self._repeats(m) for m in ok) >= 2 * self.s.remeasure:
             return None  # one tie's worth of repeats in all: noise that does not settle by then is a tie
         lead = ok[0]
         ties = [m for m in ok[1:2] if self._tied(lead, m)]
@@ -328,10 +339,17 @@ class Strategy:
             return None
         for round_ in range(1, self.s.remeasure + 1):
             for m in [lead, *ties]:
-                if len(m.repeats) < round_:
+                if self._repeats(m) < round_:
                     self.note("re-measuring near-tied leaders: " + ", ".join(x.result.name for x in [lead, *ties]))
                     return Step(m.params, f"near-tie with {lead.result.name}", repeat_of=m)
         return None
+
+    def _repeats_pending(self, m: Measured) -> int:
+        return self.pending_repeats.get(params_key(m.params), 0)
+
+    def _repeats(self, m: Measured) -> int:
+        """Re-measurements of m, done or being done by another worker."""
+        return len(m.repeats) + self._repeats_pending(m)
 
     def _tied(self, lead: Measured, other: Measured) -> bool:
         a, b = self.score(lead.final_value), self.score(other.final_value)
