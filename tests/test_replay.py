@@ -213,3 +213,41 @@ def test_the_deepspeed_baseline_on_the_10b_landscape_skips_stages_by_its_memory_
     stages = {e["params"]["stage"] for e in runner.log}
     assert 0 not in stages and 1 not in stages  # fp16 states 2/2/16 per param do not fit: no experiment there
     assert found is not None and found["stage"] == 3
+
+
+def test_simulated_workers_run_the_real_tuner_concurrently_in_simulated_time(lands):
+    """4 workers on one study: up to 4 experiments in flight, none run twice (re-measurements
+    apart), the log in finish order, and wall hours are the simulated finish times."""
+    land = {**lands[FLAT], "plan": {**lands[FLAT]["plan"], "fast": True}}
+    runner, found = replay.replay(land, "model_based", seed=0, workers=4)
+    ends = [e["end_s"] for e in runner.log]
+    assert found is not None and ends == sorted(ends)
+    starts = [end - e["wall_time_s"] for e, end in zip(runner.log, ends)]
+    most = max(sum(s - 1e-6 <= t + 1e-3 < end for s, end in zip(starts, ends)) for t in starts)  # just after each start
+    assert most == 4  # four in flight at once, never more
+    first = [json.dumps(e["params"], sort_keys=True) for e in runner.log[:4]]
+    assert len(set(first)) == 4  # the first four are four different experiments, started together
+    rec = replay.score([{"landscape": "L", "strategy": "model_based", "seed": 0, "workers": 4, "log": runner.log, "found": 1.0}], 1.0)[0]
+    assert rec["workers"] == 4 and rec["wall_hours"] * 3600 == pytest.approx(ends[-1])
+    assert ends[-1] < sum(e["wall_time_s"] for e in runner.log) / 2
+
+
+def test_one_simulated_worker_is_the_sequential_search(lands):
+    land = {**lands[FLAT], "plan": {**lands[FLAT]["plan"], "fast": True}}
+    runner, _ = replay.replay(land, "model_based", seed=0, workers=1)
+    walls = [e["wall_time_s"] for e in runner.log]
+    assert [e["end_s"] for e in runner.log] == pytest.approx([sum(walls[:i + 1]) for i in range(len(walls))])
+
+
+def test_the_workers_table_reports_wall_hours_to_99_against_n_and_the_baseline_as_sequential():
+    def rec(strategy, workers, w99, seed=0):
+        return {"landscape": "L", "strategy": strategy, "seed": seed, "workers": workers, "to95": 1, "to99": None if w99 is None else 4,
+                "regret": 0.0, "experiments": 5, "wall_hours": 1.0, "wall_hours_to99": w99, "failures": 0, "after99": 0}
+    records = [rec("model_based", 1, 1.0), rec("model_based", 2, 0.6), rec("model_based", 4, 0.3), rec("deepspeed_baseline", 1, 2.0)]
+    text = tables.workers_table(records)
+    assert "| L | model_based | 1.00 (4) | 0.60 (4) | 0.30 (4) |" in text
+    assert "| L | deepspeed_baseline | 2.00 (4) | sequential: 1 worker only | sequential: 1 worker only |" in text
+    assert "with 4 workers / with 1, median over 1 landscapes: 0.30 (target <= 0.35)" in text
+    assert "deepspeed_baseline: sequential" in text
+    assert "median over 1 landscapes: never" in tables.workers_table([rec("model_based", 1, 1.0), rec("model_based", 4, None)])
+    assert tables.landscape_table(records, "L").count("model_based") == 1  # the per-landscape tables are the 1-worker runs
