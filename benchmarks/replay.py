@@ -1,7 +1,7 @@
 """Replay benchmark: the product's search, with only its runner swapped for a landscape lookup,
 and a model of DeepSpeed's own autotuner (ds_baseline.py), against landscapes.
 
-    python benchmarks/replay.py [LANDSCAPE.json ...] [--seeds 5] [--json OUT.json]
+    python benchmarks/replay.py [LANDSCAPE.json ...] [--seeds 5] [--workers 1,2,4] [--json OUT.json]
 
 Without landscapes, every file in benchmarks/landscapes/. The product runs with its own defaults
 (conf/: remeasure 2, tuner_early_stopping 5, tuner_num_trials 50, ...), once per tuner type
@@ -15,8 +15,13 @@ Scored against the noise-free value (`true_<metric>`; the recorded value on CPU 
 - regret: 1 - true value of the declared optimum / best (1.0 when nothing is declared);
 - experiments (launches, failures and re-measurements included), wall hours (the same), and the
   wall hours until 99% was reached.
---json writes one record per landscape x strategy x seed; the tables (tables.py) count "never"
-as a miss: medians take it as infinity, and each cell says how many seeds never got there.
+--json writes one record per landscape x strategy x seed (x workers); the tables (tables.py) count
+"never" as a miss: medians take it as infinity, and each cell says how many seeds never got there.
+
+--workers N[,N...]: the product's tuner runs as N workers on one study in simulated wall-clock time
+(parallel.py); each record has `workers`, and its wall hours are simulated finish times. The
+DeepSpeed baseline is sequential (each experiment is chosen from the one before it), so it runs
+with 1 worker only.
 """
 
 import argparse
