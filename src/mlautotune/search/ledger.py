@@ -109,10 +109,9 @@ class Ledger:
         self.measured: Dict[str, Measured] = {}  # params key -> first measurement
         self.order: List[Measured] = []
         self.interrupted: List[int] = []  # trials found cut off when the session resumed
-        self.pending: Dict[int, Dict[str, Any]] = {}  # RUNNING trials of other workers: number -> params
+        self.pending: Dict[int, Dict[str, Any]] = {}  # RUNNING trials (other workers', and this one's in flight): number -> params
         self.pending_repeats: Dict[str, int] = {}  # of those, re-measurements: params key -> how many
         self._loaded: set = set()
-        self._mine: set = set()  # trial numbers this process is running
         self._adopt_dead_trials(alone)
         self.refresh()
 
@@ -134,9 +133,9 @@ class Ledger:
         """Take in the trials finished since the last look (this worker's and others'), and the pending ones."""
         self.pending, self.pending_repeats = {}, {}
         for t in self.study.get_trials(deepcopy=False):
-            if t.number in self._loaded or t.number in self._mine:
+            if t.number in self._loaded:
                 continue
-            if t.state in (TrialState.RUNNING, TrialState.WAITING):
+            if t.state in (TrialState.RUNNING, TrialState.WAITING):  # this worker's own in-flight trials too
                 self.pending[t.number] = trial_params(t)
                 if "repeat_of" in t.user_attrs:
                     key = params_key(trial_params(t))
@@ -175,7 +174,6 @@ class Ledger:
         an earlier trial: the lower number keeps them; this trial becomes a PRUNED duplicate)."""
         self.study.sampler = Fixed(params)
         trial = self.study.ask({k: self.dists[k] for k in params})
-        self._mine.add(trial.number)
         if repeat_of is None:
             for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.COMPLETE, TrialState.FAIL)):
                 if t.number < trial.number and trial_params(t) == params and "repeat_of" not in t.user_attrs and "duplicate_of" not in t.user_attrs and trial_status(t) != "interrupted":
