@@ -100,6 +100,14 @@ def _outage(e: Exception) -> bool:
     return not (400 <= int(code or 500) < 500)
 
 
+def local_artifacts(tracking_uri: str) -> Optional[str]:
+    """Artifacts of a local sqlite store go beside the database file (`mlartifacts/`), not into
+    MLflow's default `./mlruns` of whatever folder the session was started in."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    return (Path(tracking_uri[len("sqlite:///"):]).resolve().parent / "mlartifacts").as_uri()
+
+
 class Tracker:
     """Logs to MLflow while it can. Each call is retried with backoff; when the server stays
     unreachable the outage is shown once on the console, later calls try again (at most one
@@ -203,7 +211,7 @@ class Tracker:
 
     def _experiment(self) -> str:
         exp = self.client.get_experiment_by_name(self.experiment_name)
-        return exp.experiment_id if exp else self.client.create_experiment(self.experiment_name)
+        return exp.experiment_id if exp else self.client.create_experiment(self.experiment_name, local_artifacts(self.tracking_uri))
 
     def experiment_label(self) -> str:
         """Where the runs are, for the console: the MLflow experiment's name and the parent run id."""
