@@ -5,6 +5,7 @@
 #   bash scripts/services.sh start DIR     # prints, and writes to DIR/env.sh, the variables to use
 #   bash scripts/services.sh stop DIR
 #   bash scripts/services.sh status DIR
+#   bash scripts/services.sh install       # only make sure PostgreSQL is installed (scripts/setup.sh does this)
 #
 # Ports: PG_PORT (default 55432) and MLFLOW_PORT (default 55000). The database password is
 # random, kept in DIR/env.sh (mode 600); nothing listens beyond 127.0.0.1.
@@ -12,10 +13,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 cmd=${1:-}; dir=${2:-}
-if [ -z "$cmd" ] || [ -z "$dir" ]; then
-  echo "usage: bash scripts/services.sh start|stop|status DIR" >&2; exit 2
+if [ -z "$cmd" ] || { [ -z "$dir" ] && [ "$cmd" != install ]; }; then
+  echo "usage: bash scripts/services.sh start|stop|status DIR, or install" >&2; exit 2
 fi
-mkdir -p "$dir"; dir=$(cd "$dir" && pwd)
+if [ -n "$dir" ]; then mkdir -p "$dir"; dir=$(cd "$dir" && pwd); fi
 PG_PORT=${PG_PORT:-55432}
 MLFLOW_PORT=${MLFLOW_PORT:-55000}
 PY=${PYTHON:-$ROOT/.venv/bin/python}
@@ -26,8 +27,13 @@ pg_bin() {
   bin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)
   if [ -z "$bin" ]; then
     echo "services: installing PostgreSQL (Debian package)" >&2
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql >/dev/null
-    bin=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -n 1)
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q postgresql >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q postgresql >/dev/null 2>&1; } || true
+    bin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)
+    if [ -z "$bin" ]; then
+      echo "services: PostgreSQL is not installed and could not be installed here. Install Debian's package as root (apt-get install postgresql), then run this again." >&2
+      exit 2
+    fi
   fi
   echo "$bin"
 }
@@ -114,5 +120,6 @@ case "$cmd" in
   start) start ;;
   stop) stop ;;
   status) status ;;
-  *) echo "usage: bash scripts/services.sh start|stop|status DIR" >&2; exit 2 ;;
+  install) echo "services: PostgreSQL in $(pg_bin)" ;;
+  *) echo "usage: bash scripts/services.sh start|stop|status DIR, or install" >&2; exit 2 ;;
 esac
