@@ -20,9 +20,9 @@ from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
 from conftest import MAPPINGS, TINY_MODEL
+from test_bad_inputs import error_lines, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.e2e
 SESSION = "two-workers"
 
 
@@ -85,6 +85,7 @@ def ranks_in(exp_dir: Path):
             and any(a.startswith("--local_rank") for a in p.info["cmdline"] or [])]
 
 
+@pytest.mark.e2e
 def test_workers_share_one_session_and_a_killed_workers_experiment_is_run_again(services, tmp_path, leftovers):
     """Workers 1 and 2 start together; worker 2 is SIGKILLed in the middle of its second experiment
     and worker 3 joins (a restarted node). The killed experiment is run again by another worker once
@@ -165,3 +166,15 @@ def test_workers_share_one_session_and_a_killed_workers_experiment_is_run_again(
     assert (tmp_path / "autotuning_results" / "summary.txt").read_text().split("Tuning completed")[0] == summary.split("Tuning completed")[0]
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()], max_results=1000)
     assert len([r for r in runs if r.data.tags.get("mlautotune.role") == "session"]) == 1
+
+
+def test_a_worker_with_another_world_size_is_refused(tmp_path):
+    """Throughput at another world size is not comparable: a worker with 1 rank cannot join a session tuned with 2."""
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    optuna.create_study(storage=storage, study_name="ws", direction="maximize").set_user_attr("world_size", 2)
+    write_config(tmp_path / "ds.json")
+    code, _, err = run_cli(tmp_path, ["worker", f"config={tmp_path / 'ds.json'}", "launcher.num_gpus=1", "search.session=ws",
+                                      f"search.storage={storage}", "tracking.enabled=false"])
+    assert code == 2, err
+    assert len(error_lines(err)) == 1 and "is tuned with 2 ranks per experiment" in error_lines(err)[0]
+    assert [t for t in optuna.load_study(study_name="ws", storage=storage).trials] == []

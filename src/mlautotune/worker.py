@@ -15,6 +15,7 @@ import socket
 import sys
 import time
 import warnings
+from pathlib import Path
 from typing import List
 
 import optuna
@@ -134,8 +135,13 @@ def open_parent_once(tracker: Tracker, store, study: optuna.Study, session: Sess
 def report_command(cfg: DictConfig) -> None:
     """Write the report of a workers' session (summary, optimal config and command, plots, the parent
     run's metrics) from its study, at any time; trials still running make it partial."""
-    session = open_session(cfg, worker=True)
+    from sqlalchemy.engine import make_url
+
+    session = open_session(cfg, dry_run=True, worker=True)  # creates nothing: the session must exist
+    url = make_url(session.storage)
     try:
+        if url.get_backend_name() == "sqlite" and not Path(url.database or "").expanduser().is_file():
+            raise KeyError(session.name)
         study = optuna.load_study(study_name=session.name, storage=session.shared_storage())
     except KeyError:
         raise UserError(f"The storage {redact_text(session.storage)} holds no session named {session.name!r}.",
