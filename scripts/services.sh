@@ -10,6 +10,7 @@
 # Ports: PG_PORT (default 55432) and MLFLOW_PORT (default 55000). The database password is
 # random, kept in DIR/env.sh (mode 600); nothing listens beyond 127.0.0.1.
 set -euo pipefail
+export PATH="$PATH:/usr/sbin:/sbin"  # runuser, for root
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 cmd=${1:-}; dir=${2:-}
@@ -55,7 +56,7 @@ start() {
       echo "services: the postgres user cannot write $dir/pg (a parent folder is private to root). Use a data folder it can reach, e.g. one under /srv or /var/tmp." >&2
       exit 2
     fi
-    as_pg "$bin/initdb" -D "$dir/pg" -U mlautotune --pwfile="$dir/pg.pw" -A scram-sha-256 >/dev/null
+    as_pg "$bin/initdb" -D "$dir/pg" -U mlautotune -E UTF8 --locale=C --pwfile="$dir/pg.pw" -A scram-sha-256 >/dev/null
     rm -f "$dir/pg.pw"
     umask 077
     cat > "$dir/env.sh" <<EOF

@@ -47,9 +47,17 @@ class WorkerTag:
         trial.set_user_attr(WORKER_ATTR, self.name)
 
 
+def check_storage_given(cfg: DictConfig) -> None:
+    if cfg.search.storage is not None and not cfg.search.storage.strip():
+        raise UserError("search.storage= is given but empty, so this worker would not share the others' study "
+                        "(an unset variable, such as $MLAUTOTUNE_STORAGE before `. DIR/env.sh`?).",
+                        "Pass the shared study's URL, search.storage=postgresql://user:password@host:port/optuna, as every worker of the session does.")
+
+
 def worker_command(cfg: DictConfig) -> None:
     # Optuna's heartbeats are meant for study.optimize; the Heartbeat observer beats for our ask/tell trials.
     warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
+    check_storage_given(cfg)
     session = open_session(cfg, lock=True, worker=True)
     try:
         _work(session)
@@ -137,6 +145,7 @@ def report_command(cfg: DictConfig) -> None:
     run's metrics) from its study, at any time; trials still running make it partial."""
     from sqlalchemy.engine import make_url
 
+    check_storage_given(cfg)
     session = open_session(cfg, dry_run=True, worker=True)  # creates nothing: the session must exist
     url = make_url(session.storage)
     try:
