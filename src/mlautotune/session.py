@@ -109,10 +109,18 @@ class Session:
     def shared_storage(self) -> optuna.storages.BaseStorage:
         """The storage as workers open it: with heartbeats every search.heartbeat_seconds, so the trial
         of a worker that died is failed after 4 missed beats and run again by another."""
+        from sqlalchemy.exc import OperationalError
+
         from mlautotune.cluster import storage
+        from mlautotune.redact import redact_text
 
         beat = self.cfg.search.heartbeat_seconds
-        return storage(self.storage, beat, 4 * beat)
+        try:
+            return storage(self.storage, beat, 4 * beat)
+        except OperationalError as e:
+            reason = redact_text(str(e.orig or e).strip().splitlines()[0])
+            raise UserError(f"The shared study's database search.storage={redact_text(self.storage)} cannot be reached: {reason}.",
+                            "Check that the database server runs (`bash scripts/services.sh status DIR`) and that the URL, with its password, is the one in DIR/env.sh.")
 
     def open_study(self, store: Optional[optuna.storages.BaseStorage] = None) -> optuna.Study:
         direction = "minimize" if self.at.metric == "latency" else "maximize"
