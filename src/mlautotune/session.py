@@ -58,6 +58,12 @@ class Session:
             self.lock.release()
             self.lock = None
 
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
     @property
     def at(self) -> DictConfig:
         return self.cfg.autotuning

@@ -24,7 +24,7 @@ from optuna.trial import TrialState
 
 from mlautotune import ops
 from mlautotune.cluster import Heartbeat, claim_once
-from mlautotune.commands import _raise_interrupt, finish, lr_advice, parent_params
+from mlautotune.commands import _raise_interrupt, finish, lr_advice, parent_params, session_console, session_tracker
 from mlautotune.console import Console
 from mlautotune.errors import UserError
 from mlautotune.files import atomic_write_text
@@ -58,17 +58,12 @@ def worker_command(cfg: DictConfig) -> None:
     # Optuna's heartbeats are meant for study.optimize; the Heartbeat observer beats for our ask/tell trials.
     warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
     check_storage_given(cfg)
-    session = open_session(cfg, lock=True, worker=True)
-    try:
+    with open_session(cfg, lock=True, worker=True) as session:
         _work(session)
-    finally:
-        session.release()
 
 
 def _work(session: Session) -> None:
-    console = Console(session.at.metric, session.at.tuner_num_trials)
-    for notice in session.plan.notices:
-        console.say(f"mlautotune: {notice}")
+    console = session_console(session)
     store = session.shared_storage()
     study = session.open_study(store)
     check_world_size(study, session)
@@ -113,11 +108,6 @@ def check_world_size(study: optuna.Study, session: Session) -> None:
             "(throughput at another world size is not comparable).",
             f"Give this worker {first} ranks (launcher.num_gpus, num_nodes, include or hostfile), or another search.session.",
         )
-
-
-def session_tracker(session: Session, console: Console) -> Tracker:
-    return Tracker(session.cfg.tracking.tracking_uri, session.cfg.tracking.experiment_name, session.cfg.tracking.enabled,
-                   say=console.say, results_dir=session.results_dir)
 
 
 def open_parent_once(tracker: Tracker, store, study: optuna.Study, session: Session, artifacts: List, console: Console) -> None:
