@@ -178,3 +178,21 @@ def test_a_worker_with_another_world_size_is_refused(tmp_path):
     assert code == 2, err
     assert len(error_lines(err)) == 1 and "is tuned with 2 ranks per experiment" in error_lines(err)[0]
     assert [t for t in optuna.load_study(study_name="ws", storage=storage).trials] == []
+
+
+def test_workers_on_other_devices_join_the_same_session():
+    """A worker's session is named by what is measured, its world size included, not by which devices or hosts it uses."""
+    from hydra import compose, initialize_config_dir
+
+    from mlautotune.cli import CONF_DIR
+    from mlautotune.config import register_configs
+    from mlautotune.session import identity
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        first = compose(config_name="config", overrides=["launcher.include='localhost:0,1'"])
+        second = compose(config_name="config", overrides=["launcher.include='localhost:2,3'"])
+    name = lambda cfg, **kw: identity(cfg, {"zero_optimization": {"stage": 1}}, Path("train.py"), ["--epochs", "1"], **kw)
+    assert name(first, world_size=2) == name(second, world_size=2)
+    assert name(first, world_size=2) != name(first, world_size=4)
+    assert name(first) != name(second)  # a lone `tune` session still keeps its launcher in its identity
