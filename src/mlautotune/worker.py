@@ -145,6 +145,7 @@ def report_command(cfg: DictConfig) -> None:
     except KeyError:
         raise UserError(f"The storage {redact_text(session.storage)} holds no session named {session.name!r}.",
                         "Pass the workers' search.storage and search.session (or the same settings they were started with).")
+    check_world_size(study, session)  # cmd_optimal.txt is built from this command's launcher settings
     console = Console(session.at.metric, session.at.tuner_num_trials)
     write_report(session, study, session_tracker(session, console), console)
 
