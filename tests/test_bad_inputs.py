@@ -90,6 +90,7 @@ CASES = [
     ("search.remeasure=-1", {"autotuning": OK_AT}, ["search.remeasure=-1"], "must be 0 or more"),
     ("search.heartbeat_seconds=0", {"autotuning": OK_AT}, ["search.heartbeat_seconds=0"], "heartbeat_seconds=0 must be at least 1"),
     ("worker with an empty search.storage", {"autotuning": OK_AT}, ["@FIRST@worker", "search.storage="], "search.storage= is given but empty"),
+    ("worker with mode=run", {"autotuning": OK_AT}, ["@FIRST@worker", "mode=run"], "a worker only tunes"),
     ("report of a session that does not exist", {"autotuning": OK_AT}, ["@FIRST@report", "search.session=nope"], "holds no session named 'nope'"),
     ("empty results_dir", {"autotuning": {"enabled": True, "results_dir": ""}}, [], "results_dir or exps_dir is empty"),
     # ---- flags, stages, knobs

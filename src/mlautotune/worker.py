@@ -47,6 +47,13 @@ class WorkerTag:
         trial.set_user_attr(WORKER_ATTR, self.name)
 
 
+def check_worker_settings(cfg: DictConfig) -> None:
+    if cfg.mode == "run":
+        raise UserError("mode=run (train with the optimum after tuning) is for a session tuned by one `mlautotune tune`; a worker only tunes.",
+                        "Leave mode unset for workers, and train with cmd_optimal.txt (written by the last worker, or by `mlautotune report`).")
+    check_storage_given(cfg)
+
+
 def check_storage_given(cfg: DictConfig) -> None:
     if cfg.search.storage is not None and not cfg.search.storage.strip():
         raise UserError("search.storage= is given but empty, so this worker would not share the others' study "
@@ -57,7 +64,7 @@ def check_storage_given(cfg: DictConfig) -> None:
 def worker_command(cfg: DictConfig) -> None:
     # Optuna's heartbeats are meant for study.optimize; the Heartbeat observer beats for our ask/tell trials.
     warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
-    check_storage_given(cfg)
+    check_worker_settings(cfg)
     with open_session(cfg, lock=True, worker=True) as session:
         _work(session)
 
