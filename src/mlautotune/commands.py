@@ -34,21 +34,28 @@ def _raise_interrupt(signum, frame):
 
 
 def tune_command(cfg: DictConfig) -> None:
-    session = open_session(cfg, lock=True)
-    try:
+    with open_session(cfg, lock=True) as session:
         _tune(session)
-    finally:
-        session.release()
 
 
-def _tune(session: Session) -> None:
+def session_console(session: Session) -> Console:
+    """The session's progress console, with the plan's notices said."""
     console = Console(session.at.metric, session.at.tuner_num_trials)
     for notice in session.plan.notices:
         console.say(f"mlautotune: {notice}")
+    return console
+
+
+def session_tracker(session: Session, console: Console) -> Tracker:
+    return Tracker(session.cfg.tracking.tracking_uri, session.cfg.tracking.experiment_name, session.cfg.tracking.enabled,
+                   say=console.say, results_dir=session.results_dir)
+
+
+def _tune(session: Session) -> None:
+    console = session_console(session)
     study = session.open_study()
     tuner = Tuner(session.plan, session.search_settings(), study, session.make_experiment, session.run)
-    tracker = Tracker(session.cfg.tracking.tracking_uri, session.cfg.tracking.experiment_name, session.cfg.tracking.enabled,
-                      say=console.say, results_dir=session.results_dir)
+    tracker = session_tracker(session, console)
     resumed = len(tuner.outcome().measured)
     console.say(
         f"mlautotune: session {session.name} | stages {session.plan.stages} | metric {session.at.metric} | tuner {session.at.tuner_type}"

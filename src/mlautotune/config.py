@@ -83,6 +83,7 @@ class SearchConf:
     session: Optional[str] = None  # session name; None -> derived from script, args, ds_config and settings
     sampler: Dict[str, Any] = field(default_factory=dict)  # any Optuna sampler by Hydra _target_ (empty: tuner_type's); overrides tuner_type
     remeasure: int = 2  # extra measurements of near-tied leaders before the optimum is declared
+    heartbeat_seconds: int = 30  # workers: a running trial's heartbeat; after 4 missed beats another worker runs it again
 
 
 @dataclass
@@ -101,7 +102,7 @@ class MeasureConf:
 
 @dataclass
 class MLAutotuneConf:
-    command: str = "tune"  # tune | plan | experiment | sync (the first word on the command line)
+    command: str = "tune"  # tune | plan | experiment | sync | worker | report (the first word on the command line)
     config: Optional[str] = None  # ds_config path; None -> the bundled example
     script: Optional[str] = None  # training script; None -> the bundled workload
     script_args: str = ""  # the script's arguments, one string, split like a POSIX shell would (never run by one)
@@ -268,7 +269,7 @@ def canonical_metric(name: str) -> str:
 
 
 FLAG = re.compile(r"--?[A-Za-z0-9][A-Za-z0-9_.-]*")
-COMMANDS = ("tune", "plan", "experiment", "sync")
+COMMANDS = ("tune", "plan", "experiment", "sync", "worker", "report")
 
 
 def validate(cfg: DictConfig) -> None:
@@ -304,6 +305,8 @@ def validate(cfg: DictConfig) -> None:
         parse_bytes(at.memory_limit_per_rank)
     validate_launcher(cfg.launcher)
     validate_sampler(cfg.search.sampler)
+    if cfg.search.heartbeat_seconds < 1:
+        raise UserError(f"search.heartbeat_seconds={cfg.search.heartbeat_seconds} must be at least 1.", "Give the seconds between a worker's heartbeats (default 30; a trial is run again after 4 missed beats).")
     if cfg.search.remeasure < 0:
         raise UserError(f"search.remeasure={cfg.search.remeasure} must be 0 or more.", "Give the number of extra measurements of near-tied leaders (default 2).")
     m = cfg.measure
