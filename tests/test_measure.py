@@ -76,11 +76,12 @@ def test_warmup_skips_leading_slow_steps_within_the_cap():
 def test_decide_stops_at_the_target_or_the_budget_never_before_the_minimum():
     quiet = [1.0 + 0.001 * (i % 3) for i in range(12)]
     d = measure.decide([5.0, *quiet], elapsed_s=1.0, min_steps=3, settings=SETTINGS)
-    assert d.stop and not d.disturbed and d.warmup == 1 and d.interval_rel <= 0.02
+    assert d.stop and d.target_reached and not d.disturbed and d.warmup == 1 and d.interval_rel <= 0.02
     noisy = [1.0, 1.5, 0.8, 1.3, 0.9, 1.6, 1.1, 0.7]
     assert not measure.decide(noisy, 1.0, 3, SETTINGS).stop  # target not reached, budget left
     late = measure.decide(noisy, 3.5, 3, SETTINGS)
-    assert late.stop and late.disturbed and late.interval_rel > 0.02  # the budget is spent: stop, disturbed
+    assert late.stop and not late.target_reached and late.interval_rel > 0.02  # the budget is spent: stop, wider interval
+    assert not late.disturbed  # noisy steps alone are imprecision, not a disturbance
     assert not measure.decide([1.0, 1.0], 99.0, 3, SETTINGS).stop  # never before the user's minimum window
 
 
@@ -94,7 +95,7 @@ def test_a_window_that_waited_for_cpus_is_disturbed_and_goes_on_to_the_budget():
 def test_the_fixed_window_stops_at_once_and_skips_no_warm_up():
     fixed = {**SETTINGS, "adaptive": False}
     d = measure.decide([5.0, 1.0, 1.5], 0.1, 3, fixed)
-    assert d.stop and d.warmup == 0 and d.disturbed
+    assert d.stop and d.warmup == 0 and not d.target_reached
 
 
 def test_cpu_wait_counts_time_runnable_without_a_cpu():

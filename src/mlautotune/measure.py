@@ -19,7 +19,8 @@ class Decision:
     stop: bool
     warmup: int  # leading steps skipped as warm-up
     interval_rel: float  # relative half-width of the median's confidence interval (inf: too few steps)
-    disturbed: bool  # the target was not reached, or a rank waited too long for a CPU
+    target_reached: bool  # interval_rel <= the target; a window that ends short of it is not disturbed, only less precise
+    disturbed: bool  # something else took the CPUs: a rank waited for a CPU longer than max_cpu_wait of the window
 
 
 def median_interval(times: Sequence[float], confidence: float = 0.95) -> Tuple[float, float, float]:
@@ -70,25 +71,50 @@ def decide(times: Sequence[float], elapsed_s: float, min_steps: int, settings: D
     window length (end_profile_step - start_profile_step + 1), a minimum; `cpu_wait`: the largest share
     of the window a rank spent runnable but waiting for a CPU (another process took it).
 
-    A window that waited for CPUs is disturbed even when its step times agree (a constant slowdown):
-    it goes on to the budget, so the disturbance weighs less if it passes, and is flagged."""
+    Not reaching the target is not a disturbance: the interval says how precise the figure is. A window
+    that waited for CPUs is disturbed even when its step times agree (a constant slowdown): it goes on
+    to the budget, so the disturbance weighs less if it passes, and is flagged (the search re-measures it)."""
     adaptive = settings["adaptive"]
     w = warmup_steps(times, settings["warmup_tolerance"], settings["max_warmup_steps"], min_steps) if adaptive else 0
     measured = times[w:]
     rel = interval_rel(measured, settings["confidence"])
-    disturbed = rel > settings["target_interval"] or cpu_wait > settings["max_cpu_wait"]
+    reached = rel <= settings["target_interval"]
+    disturbed = cpu_wait > settings["max_cpu_wait"]
     enough = len(measured) >= min_steps
-    return Decision(stop=not adaptive or (enough and (not disturbed or elapsed_s >= settings["budget_s"])),
-                    warmup=w, interval_rel=rel, disturbed=disturbed)
+    return Decision(stop=not adaptive or (enough and ((reached and not disturbed) or elapsed_s >= settings["budget_s"])),
+                    warmup=w, interval_rel=rel, target_reached=reached, disturbed=disturbed)
 
 
-def cpu_wait_seconds() -> Optional[float]:
-    """Seconds this process's threads have spent runnable but waiting for a CPU (Linux schedstat); None elsewhere."""
-    total = 0
+def check_due(n: int, end: int, settings: Dict) -> bool:
+    """Whether the ranks check the window after optimizer step n (1-based; `end`: end_profile_step)."""
+    if not settings["adaptive"]:
+        return n == end
+    return n >= end and (n - end) % settings["check_every"] == 0
+
+
+def replay(times: Sequence[float], start: int, end: int, settings: Dict, cpu_wait: float = 0.0) -> Tuple[int, Decision]:
+    """Where the probe's window would close on recorded step times (times[0] is step `start`), and its decision:
+    the probe's loop without the training, for tests and offline study. (len(times) + start - 1, last
+    decision) when the recording ends first."""
+    decision = None
+    for n in range(end, start + len(times)):
+        if check_due(n, end, settings):
+            measured = times[:n - start + 1]
+            decision = decide(measured, sum(measured), end - start + 1, settings, cpu_wait)
+            if decision.stop:
+                return n, decision
+    return start + len(times) - 1, decision
+
+
+def cpu_wait_seconds(this_thread: bool = False) -> Optional[float]:
+    """Seconds this process's threads (or only the calling thread) have spent runnable but waiting for a CPU
+    (Linux schedstat); None elsewhere."""
     try:
-        for tid in os.listdir("/proc/self/task"):
+        paths = ["/proc/thread-self/schedstat"] if this_thread else [f"/proc/self/task/{t}/schedstat" for t in os.listdir("/proc/self/task")]
+        total = 0
+        for path in paths:
             try:
-                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                with open(path) as f:
                     total += int(f.read().split()[1])
             except FileNotFoundError:  # a thread that just ended
                 continue
