@@ -99,7 +99,7 @@ def test_the_fixed_window_stops_at_once_and_skips_no_warm_up():
 
 
 def test_cpu_wait_counts_time_runnable_without_a_cpu():
-    before = measure.cpu_wait_seconds()
+    before, before_thread = measure.cpu_wait_seconds(), measure.cpu_wait_seconds(this_thread=True)
     if before is None:
         pytest.skip("no schedstat on this system")
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(measure.usable_cores())]
@@ -111,13 +111,14 @@ def test_cpu_wait_counts_time_runnable_without_a_cpu():
         for hog in hogs:
             hog.kill()
             hog.wait()
-    assert measure.cpu_wait_seconds() - before > 0.1
+    assert measure.cpu_wait_seconds(this_thread=True) - before_thread > 0.1  # the thread that was kept waiting
+    assert measure.cpu_wait_seconds() - before >= measure.cpu_wait_seconds(this_thread=True) - before_thread  # the process sums its threads
 
 
 def test_defaults_are_in_conf_and_keep_an_experiment_short():
     conf = MeasureConf()
     assert conf.adaptive and conf.target_interval == 0.02
-    assert conf.budget_s <= 4.0  # an experiment of ~20 s may grow by at most 25%
+    assert conf.budget_s <= 5.0  # an experiment of ~15-20 s may grow by at most 25%
     assert set(SETTINGS) == set(conf.__dataclass_fields__)
 
 

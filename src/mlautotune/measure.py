@@ -20,7 +20,7 @@ class Decision:
     warmup: int  # leading steps skipped as warm-up
     interval_rel: float  # relative half-width of the median's confidence interval (inf: too few steps)
     target_reached: bool  # interval_rel <= the target; a window that ends short of it is not disturbed, only less precise
-    disturbed: bool  # something else took the CPUs: a rank waited for a CPU longer than max_cpu_wait of the window
+    disturbed: bool  # something else took the CPUs: a rank's training thread waited for one longer than max_cpu_wait of the window
 
 
 def median_interval(times: Sequence[float], confidence: float = 0.95) -> Tuple[float, float, float]:
@@ -69,7 +69,8 @@ def decide(times: Sequence[float], elapsed_s: float, min_steps: int, settings: D
     """Whether the window can end now. `times`: step times from start_profile_step on (slowest rank per
     step); `elapsed_s`: seconds since the window opened (warm-up included); `min_steps`: the user's
     window length (end_profile_step - start_profile_step + 1), a minimum; `cpu_wait`: the largest share
-    of the window a rank spent runnable but waiting for a CPU (another process took it).
+    of the window a rank's training thread spent runnable but waiting for a CPU (another process or
+    thread took it): the step time it may have cost, at most.
 
     Not reaching the target is not a disturbance: the interval says how precise the figure is. A window
     that waited for CPUs is disturbed even when its step times agree (a constant slowdown): it goes on

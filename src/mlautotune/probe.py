@@ -187,12 +187,12 @@ class Probe:
         ranks = self.gather(mine)
         steps = [max(per_rank) for per_rank in zip(*(r["step_times"] for r in ranks))]
         elapsed = max(r["elapsed"] for r in ranks)
-        cpu_wait = max(0.0, *(r["cpu_wait"] for r in ranks))
-        decision = measure.decide(steps, elapsed, self.end - self.start + 1, self.measure, cpu_wait)
+        waits = {"cpu_wait_share": max(0.0, *(r["cpu_wait"] for r in ranks)), "thread_wait_share": max(0.0, *(r["thread_wait"] for r in ranks))}
+        decision = measure.decide(steps, elapsed, self.end - self.start + 1, self.measure, waits["thread_wait_share"])
         if decision.stop or script_ended:
-            self.close_window(n, steps, ranks, decision, elapsed, cpu_wait)
+            self.close_window(n, steps, ranks, decision, elapsed, waits)
 
-    def close_window(self, n: int, steps: list, ranks: list, decision, elapsed: float, cpu_wait: float) -> None:
+    def close_window(self, n: int, steps: list, ranks: list, decision, elapsed: float, waits: dict) -> None:
         """Write metrics.json on rank 0; end every rank, unless this is the final training (it goes on)."""
         from deepspeed import comm as dist
 
@@ -201,7 +201,7 @@ class Probe:
         self.mark("window_end")
         self.window = {"last": n, "first": self.start + decision.warmup}
         if self.rank == 0:
-            self.metrics = self.window_metrics(steps[decision.warmup:], ranks, decision, elapsed, cpu_wait)
+            self.metrics = self.window_metrics(steps[decision.warmup:], ranks, decision, elapsed, waits)
             atomic_write_json(os.path.join(self.exp_dir, METRICS_FILE), self.metrics)
         self.mark("combined")
         self.write_rank_record("measured", step_times_ms=[t * 1000.0 for t in self.step_times(n)])  # this rank's own, for offline study
@@ -236,7 +236,7 @@ class Probe:
             atomic_write_json(os.path.join(self.exp_dir, METRICS_FILE), self.metrics)
         self.write_rank_record("measured")
 
-    def window_metrics(self, steps: list, ranks: list, decision, elapsed: float, cpu_wait: float) -> dict:
+    def window_metrics(self, steps: list, ranks: list, decision, elapsed: float, waits: dict) -> dict:
         engine = self.engine
         med, lo, hi = statistics.median(steps), min(steps), max(steps)
         tbs, mbs, gas = engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
@@ -256,8 +256,7 @@ class Probe:
             "interval_rel": decision.interval_rel if math.isfinite(decision.interval_rel) else None,
             "target_reached": decision.target_reached,
             "disturbed": decision.disturbed,
-            "cpu_wait_share": cpu_wait,
-            "thread_wait_share": max(0.0, *(r["thread_wait"] for r in ranks)),
+            **waits,  # shares of the window spent waiting for a CPU: all of a rank's threads, its training thread (decides)
             "warmup_steps": decision.warmup,
             "measured_steps": len(steps),
             "measure_seconds": elapsed,
