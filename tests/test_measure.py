@@ -39,6 +39,17 @@ def test_median_interval_uses_the_tightest_order_statistics_with_95_percent_cove
     assert binomial_coverage(n, j) >= 0.95 > binomial_coverage(n, j + 1)
 
 
+def test_fewest_steps_is_where_the_range_first_covers_the_median_with_the_confidence():
+    n = measure.fewest_steps(0.95)
+    assert n == 6 and binomial_coverage(n, 1) >= 0.95 > binomial_coverage(n - 1, 1)
+    assert measure.fewest_steps(0.5) == 2
+
+
+def test_a_few_close_steps_do_not_reach_the_target():
+    d = measure.decide([1.0, 1.001, 1.002], 0.1, 3, SETTINGS)  # +-0.1%, but 3 values cover the median only 75% of the time
+    assert d.interval_rel < SETTINGS["target_interval"] and not d.target_reached and not d.stop
+
+
 def test_median_interval_of_few_values_is_the_whole_range():
     assert measure.median_interval([3.0, 1.0, 2.0]) == (2.0, 1.0, 3.0)
     assert measure.interval_rel([1.0]) == math.inf
@@ -83,6 +94,28 @@ def test_decide_stops_at_the_target_or_the_budget_never_before_the_minimum():
     assert late.stop and not late.target_reached and late.interval_rel > 0.02  # the budget is spent: stop, wider interval
     assert not late.disturbed  # noisy steps alone are imprecision, not a disturbance
     assert not measure.decide([1.0, 1.0], 99.0, 3, SETTINGS).stop  # never before the user's minimum window
+
+
+RECORDED = json.loads((Path(__file__).parent / "data" / "step_times_shared_cpu.json").read_text())
+
+
+def test_on_recorded_noisy_steps_the_window_grows_and_stops_at_the_budget():
+    """The probe's stop rule replayed on real step times (a CPU shared with other work, per-step CV ~20%)."""
+    times = [t / 1000 for t in RECORDED["step_times_ms"]]
+    start, end = 3, 5
+    n, d = measure.replay(times, start, end, SETTINGS)
+    measured = times[:n - start + 1]
+    assert n > end + 2  # it grew well past the user's minimum window ...
+    assert sum(measured) >= SETTINGS["budget_s"] > sum(measured[:-SETTINGS["check_every"]])  # ... to the first check after the budget
+    assert d.stop and not d.target_reached and d.interval_rel > SETTINGS["target_interval"] and not d.disturbed
+    assert d.interval_rel == measure.interval_rel(measured[d.warmup:])
+    longer, _ = measure.replay(times, start, end, {**SETTINGS, "budget_s": 2 * SETTINGS["budget_s"]})
+    assert longer > n  # a larger budget measures more steps
+    # The same steps with their noise shrunk 20x around the median: the target is reached long before the budget.
+    med = statistics.median(times)
+    quiet = [med + (t - med) / 20 for t in times]
+    m, q = measure.replay(quiet, start, end, SETTINGS)
+    assert q.stop and q.target_reached and sum(quiet[:m - start + 1]) < SETTINGS["budget_s"] and m < n
 
 
 def test_a_window_that_waited_for_cpus_is_disturbed_and_goes_on_to_the_budget():

@@ -44,6 +44,12 @@ def median_interval(times: Sequence[float], confidence: float = 0.95) -> Tuple[f
     return statistics.median(x), x[j - 1], x[n - j]
 
 
+def fewest_steps(confidence: float = 0.95) -> int:
+    """The fewest values whose range [min, max] covers the median with `confidence` (6 for 95%): below it
+    no interval from order statistics has that coverage, whatever the values."""
+    return max(2, math.ceil(math.log2(2.0 / (1.0 - confidence))))
+
+
 def interval_rel(times: Sequence[float], confidence: float = 0.95) -> float:
     """The larger side of the median's confidence interval, relative to the median (0.02: +-2%)."""
     if len(times) < 2:
@@ -79,7 +85,7 @@ def decide(times: Sequence[float], elapsed_s: float, min_steps: int, settings: D
     w = warmup_steps(times, settings["warmup_tolerance"], settings["max_warmup_steps"], min_steps) if adaptive else 0
     measured = times[w:]
     rel = interval_rel(measured, settings["confidence"])
-    reached = rel <= settings["target_interval"]
+    reached = rel <= settings["target_interval"] and len(measured) >= fewest_steps(settings["confidence"])  # 3 close values prove nothing
     disturbed = cpu_wait > settings["max_cpu_wait"]
     enough = len(measured) >= min_steps
     return Decision(stop=not adaptive or (enough and ((reached and not disturbed) or elapsed_s >= settings["budget_s"])),
