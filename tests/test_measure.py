@@ -224,7 +224,7 @@ def test_noisy_steps_grow_the_window_until_the_budget(tiny_experiment, tmp_path,
     result = run_experiment(exp, tmp_path)
     assert result.status == "ok", result.reason
     m = result.metrics
-    assert m["disturbed"] is True and m["interval_rel"] > exp.measure["target_interval"]
+    assert m["target_reached"] is False and m["interval_rel"] > exp.measure["target_interval"]
     assert m["measure_seconds"] >= exp.measure["budget_s"]  # it stopped at the budget ...
     assert m["last_measured_step"] < 500  # ... not at the script's end
     assert m["last_measured_step"] > exp.end_profile_step  # the window grew past the minimum
@@ -242,7 +242,7 @@ def test_quiet_steps_stop_before_the_budget_within_the_target(tiny_experiment, t
     result = run_experiment(exp, tmp_path)
     assert result.status == "ok", result.reason
     m = result.metrics
-    assert m["disturbed"] is False and m["interval_rel"] <= exp.measure["target_interval"]
+    assert m["disturbed"] is False and m["target_reached"] is True and m["interval_rel"] <= exp.measure["target_interval"]
     assert m["measure_seconds"] < exp.measure["budget_s"] and m["last_measured_step"] < 500
     assert m["measured_steps"] >= exp.end_profile_step - exp.start_profile_step + 1
     assert leftovers(result.exp_dir) == []
