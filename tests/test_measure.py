@@ -121,7 +121,8 @@ def test_on_recorded_noisy_steps_the_window_grows_and_stops_at_the_budget():
 def test_a_window_that_waited_for_cpus_is_disturbed_and_goes_on_to_the_budget():
     quiet = [1.0] * 12
     contended = measure.decide(quiet, 1.0, 3, SETTINGS, cpu_wait=0.3)
-    assert not contended.stop and contended.disturbed and contended.interval_rel == 0.0
+    assert not contended.stop and contended.disturbed
+    assert contended.interval_rel == 0.3  # the steps agree, but 30% of the window went to another process: +-30%
     assert measure.decide(quiet, 3.5, 3, SETTINGS, cpu_wait=0.3).stop
 
 
@@ -230,7 +231,8 @@ def test_noisy_steps_grow_the_window_until_the_budget(tiny_experiment, tmp_path,
     assert m["last_measured_step"] > exp.end_profile_step  # the window grew past the minimum
     assert m["measured_steps"] == len(m["step_times_ms"]) == m["last_measured_step"] - m["first_measured_step"] + 1
     assert m["first_measured_step"] == exp.start_profile_step + m["warmup_steps"]
-    assert m["interval_rel"] == pytest.approx(measure.interval_rel(m["step_times_ms"]))
+    steps_interval = measure.interval_rel(m["step_times_ms"])
+    assert m["interval_rel"] == pytest.approx(max(steps_interval, m["thread_wait_share"]) if m["disturbed"] else steps_interval)
     assert m["threads_per_rank"] >= 1
     assert leftovers(result.exp_dir) == []
 

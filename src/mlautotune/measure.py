@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 class Decision:
     stop: bool
     warmup: int  # leading steps skipped as warm-up
-    interval_rel: float  # relative half-width of the median's confidence interval (inf: too few steps)
+    interval_rel: float  # relative half-width of the median's confidence interval (inf: too few steps), at least cpu_wait when disturbed
     target_reached: bool  # interval_rel <= the target; a window that ends short of it is not disturbed, only less precise
     disturbed: bool  # something else took the CPUs: a rank's training thread waited for one longer than max_cpu_wait of the window
 
@@ -80,7 +80,8 @@ def decide(times: Sequence[float], elapsed_s: float, min_steps: int, settings: D
 
     Not reaching the target is not a disturbance: the interval says how precise the figure is. A window
     that waited for CPUs is disturbed even when its step times agree (a constant slowdown): it goes on
-    to the budget, so the disturbance weighs less if it passes, and is flagged (the search re-measures it)."""
+    to the budget, so the disturbance weighs less if it passes, and is flagged (the search re-measures it),
+    with an interval of at least the wait: the step time it may have cost, which the step times cannot show."""
     adaptive = settings["adaptive"]
     w = warmup_steps(times, settings["warmup_tolerance"], settings["max_warmup_steps"], min_steps) if adaptive else 0
     measured = times[w:]
@@ -89,7 +90,7 @@ def decide(times: Sequence[float], elapsed_s: float, min_steps: int, settings: D
     disturbed = cpu_wait > settings["max_cpu_wait"]
     enough = len(measured) >= min_steps
     return Decision(stop=not adaptive or (enough and ((reached and not disturbed) or elapsed_s >= settings["budget_s"])),
-                    warmup=w, interval_rel=rel, target_reached=reached, disturbed=disturbed)
+                    warmup=w, interval_rel=max(rel, cpu_wait) if disturbed else rel, target_reached=reached, disturbed=disturbed)
 
 
 def check_due(n: int, end: int, settings: Dict) -> bool:
