@@ -14,6 +14,12 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 
+# What metrics.json says about its measurement window (beyond throughput, latency, FLOPS_per_gpu), one list for
+# every reader: the console, the child runs.
+WINDOW_KEYS = ("interval_rel", "target_reached", "disturbed", "cpu_wait_share", "thread_wait_share", "warmup_steps", "measured_steps",
+               "measure_seconds", "threads_per_rank")
+
+
 @dataclass(frozen=True)
 class Decision:
     stop: bool
