@@ -126,6 +126,20 @@ def test_a_window_that_waited_for_cpus_is_disturbed_and_goes_on_to_the_budget():
     assert measure.decide(quiet, 3.5, 3, SETTINGS, cpu_wait=0.3).stop
 
 
+def test_a_step_time_that_shifts_mid_window_is_disturbed_with_an_interval_of_the_shift():
+    rng = random.Random(3)
+    before = [1.0 + rng.uniform(-0.05, 0.05) for _ in range(12)]
+    after = [1.3 + rng.uniform(-0.05, 0.05) for _ in range(12)]  # something started on the machine mid-window
+    assert measure.step_time_shift(before + after) == pytest.approx(abs(statistics.median(before) - statistics.median(after))
+                                                                    / statistics.median(before + after))
+    d = measure.decide(before + after, 1.0, 3, SETTINGS)
+    assert d.disturbed and not d.stop and d.interval_rel >= measure.step_time_shift(before + after) > 0.2
+    assert measure.step_time_shift(before + before) == 0.0  # the same regime throughout
+    assert measure.step_time_shift(before[:5] + after[:5]) == 0.0  # halves too short to tell
+    calm = [1.0 + rng.uniform(-0.05, 0.05) for _ in range(24)]
+    assert not measure.decide(calm, 1.0, 3, SETTINGS).disturbed
+
+
 def test_the_fixed_window_stops_at_once_and_skips_no_warm_up():
     fixed = {**SETTINGS, "adaptive": False}
     d = measure.decide([5.0, 1.0, 1.5], 0.1, 3, fixed)
@@ -231,8 +245,10 @@ def test_noisy_steps_grow_the_window_until_the_budget(tiny_experiment, tmp_path,
     assert m["last_measured_step"] > exp.end_profile_step  # the window grew past the minimum
     assert m["measured_steps"] == len(m["step_times_ms"]) == m["last_measured_step"] - m["first_measured_step"] + 1
     assert m["first_measured_step"] == exp.start_profile_step + m["warmup_steps"]
-    steps_interval = measure.interval_rel(m["step_times_ms"])
-    assert m["interval_rel"] == pytest.approx(max(steps_interval, m["thread_wait_share"]) if m["disturbed"] else steps_interval)
+    steps_interval = measure.interval_rel(m["step_times_ms"])  # widened by what a disturbance (a busy shared machine) may have cost
+    wait, shift = m["thread_wait_share"], m["step_time_shift"]
+    cost = max(wait if wait > exp.measure["max_cpu_wait"] else 0.0, shift if shift > exp.measure["target_interval"] else 0.0)
+    assert m["interval_rel"] == pytest.approx(max(steps_interval, cost)) and m["disturbed"] == (cost > 0)
     assert m["threads_per_rank"] >= 1
     assert leftovers(result.exp_dir) == []
 

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 # What metrics.json says about its measurement window (beyond throughput, latency, FLOPS_per_gpu), one list for
 # every reader: the console, the child runs.
-WINDOW_KEYS = ("interval_rel", "target_reached", "disturbed", "cpu_wait_share", "thread_wait_share", "warmup_steps", "measured_steps",
+WINDOW_KEYS = ("interval_rel", "target_reached", "disturbed", "step_time_shift", "cpu_wait_share", "thread_wait_share", "warmup_steps", "measured_steps",
                "measure_seconds", "threads_per_rank")
 
 
@@ -24,9 +24,10 @@ WINDOW_KEYS = ("interval_rel", "target_reached", "disturbed", "cpu_wait_share", 
 class Decision:
     stop: bool
     warmup: int  # leading steps skipped as warm-up
-    interval_rel: float  # relative half-width of the median's confidence interval (inf: too few steps), at least cpu_wait when disturbed
+    interval_rel: float  # relative half-width of the median's confidence interval (inf: too few steps), at least the disturbance's cost
     target_reached: bool  # interval_rel <= the target; a window that ends short of it is not disturbed, only less precise
-    disturbed: bool  # something else took the CPUs: a rank's training thread waited for one longer than max_cpu_wait of the window
+    disturbed: bool  # a rank's training thread waited for a CPU longer than max_cpu_wait of the window, or the step time shifted
+    shift: float = 0.0  # step_time_shift of the measured steps
 
 
 def median_interval(times: Sequence[float], confidence: float = 0.95) -> Tuple[float, float, float]:
@@ -77,6 +78,17 @@ def warmup_steps(times: Sequence[float], tolerance: float, cap: int, keep: int) 
     return limit
 
 
+def step_time_shift(times: Sequence[float], confidence: float = 0.95) -> float:
+    """How far the median step time moved between the window's two halves, relative to the whole window's
+    median, when the halves' confidence intervals do not even overlap (a change of regime: work that began
+    or ended on the machine mid-window); 0.0 otherwise, or when a half has too few steps to tell."""
+    half = len(times) // 2
+    if half < fewest_steps(confidence):
+        return 0.0
+    (m1, lo1, hi1), (m2, lo2, hi2) = median_interval(times[:half], confidence), median_interval(times[half:], confidence)
+    return abs(m1 - m2) / statistics.median(times) if hi1 < lo2 or hi2 < lo1 else 0.0
+
+
 def decide(times: Sequence[float], elapsed_s: float, min_steps: int, settings: Dict, cpu_wait: float = 0.0) -> Decision:
     """Whether the window can end now. `times`: step times from start_profile_step on (slowest rank per
     step); `elapsed_s`: seconds since the window opened (warm-up included); `min_steps`: the user's
@@ -85,18 +97,21 @@ def decide(times: Sequence[float], elapsed_s: float, min_steps: int, settings: D
     thread took it): the step time it may have cost, at most.
 
     Not reaching the target is not a disturbance: the interval says how precise the figure is. A window
-    that waited for CPUs is disturbed even when its step times agree (a constant slowdown): it goes on
-    to the budget, so the disturbance weighs less if it passes, and is flagged (the search re-measures it),
-    with an interval of at least the wait: the step time it may have cost, which the step times cannot show."""
+    is disturbed when its training threads waited for CPUs, even when its step times agree (a constant
+    slowdown), or when its step time shifted between its halves by more than the target. It goes on to
+    the budget, so the disturbance weighs less if it passes, and is flagged (the search re-measures it),
+    with an interval of at least the wait or the shift: what the disturbance may have cost."""
     adaptive = settings["adaptive"]
     w = warmup_steps(times, settings["warmup_tolerance"], settings["max_warmup_steps"], min_steps) if adaptive else 0
     measured = times[w:]
     rel = interval_rel(measured, settings["confidence"])
     reached = rel <= settings["target_interval"] and len(measured) >= fewest_steps(settings["confidence"])  # 3 close values prove nothing
-    disturbed = cpu_wait > settings["max_cpu_wait"]
+    shift = step_time_shift(measured, settings["confidence"])
+    cost = max(cpu_wait if cpu_wait > settings["max_cpu_wait"] else 0.0, shift if shift > settings["target_interval"] else 0.0)
+    disturbed = cost > 0
     enough = len(measured) >= min_steps
     return Decision(stop=not adaptive or (enough and ((reached and not disturbed) or elapsed_s >= settings["budget_s"])),
-                    warmup=w, interval_rel=max(rel, cpu_wait) if disturbed else rel, target_reached=reached, disturbed=disturbed)
+                    warmup=w, interval_rel=max(rel, cost), target_reached=reached, disturbed=disturbed, shift=shift)
 
 
 def check_due(n: int, end: int, settings: Dict) -> bool:

@@ -256,6 +256,7 @@ class Probe:
             "interval_rel": decision.interval_rel if math.isfinite(decision.interval_rel) else None,
             "target_reached": decision.target_reached,
             "disturbed": decision.disturbed,
+            "step_time_shift": decision.shift,
             **waits,  # shares of the window spent waiting for a CPU: all of a rank's threads, its training thread (decides)
             "warmup_steps": decision.warmup,
             "measured_steps": len(steps),
