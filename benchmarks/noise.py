@@ -58,7 +58,8 @@ def measure_once(exp: Experiment, work: Path, busy: bool) -> dict:
     m = result.metrics
     row = {"status": result.status, "wall_s": result.wall_time_s, "throughput": m.get("throughput"), "interval_rel": m.get("interval_rel"),
            "disturbed": m.get("disturbed"), "measured_steps": m.get("measured_steps"), "warmup_steps": m.get("warmup_steps"),
-           **{k: m.get(k) for k in ("measure_seconds", "target_reached", "step_time_shift", "cpu_wait_share", "thread_wait_share", "threads_per_rank", "step_times_ms")}}
+           **{k: m.get(k) for k in ("measure_seconds", "target_reached", "step_time_shift", "cpu_wait_share", "thread_wait_share",
+                                    "threads_per_rank", "step_times_ms")}}
     print(f"  {exp.name:<22} {'busy ' if busy else 'quiet'} {result.status:<10} {row['throughput'] or 0:8.2f} samples/s  "
           f"+-{100 * (row['interval_rel'] or 0):5.1f}%  steps {row['measured_steps']}  wall {result.wall_time_s:5.1f} s  "
           f"cpu wait {row['thread_wait_share'] or 0:.2f} (all threads {row['cpu_wait_share'] or 0:.2f})"

@@ -16,8 +16,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 # What metrics.json says about its measurement window (beyond throughput, latency, FLOPS_per_gpu), one list for
 # every reader: the console, the child runs.
-WINDOW_KEYS = ("interval_rel", "target_reached", "disturbed", "step_time_shift", "cpu_wait_share", "thread_wait_share", "warmup_steps", "measured_steps",
-               "measure_seconds", "threads_per_rank")
+WINDOW_KEYS = ("interval_rel", "target_reached", "disturbed", "step_time_shift", "cpu_wait_share", "thread_wait_share",
+               "warmup_steps", "measured_steps", "measure_seconds", "threads_per_rank")
 
 
 @dataclass(frozen=True)
