@@ -216,6 +216,24 @@ def test_probe_synchronises_the_real_accelerator_at_step_boundaries_in_the_windo
     assert len(probe.step_times(7)) == 4 and all(t > 0 for t in probe.step_times(7))
 
 
+def test_final_training_end_to_end_time_leaves_out_the_probes_own_time(tmp_path):
+    """End to end after warm-up: every step of the script from the first measured one to the last, but not
+    the time the probe spent between steps on its window checks (the user's own training will not have it)."""
+    probe = Probe(str(tmp_path), {"start_profile_step": 3, "end_profile_step": 5, "measure": SETTINGS})
+    clock = 0.0
+    for step in range(1, 11):  # steps of 0.1 s, then 0.05 s of the probe's own work after each
+        clock += 0.1
+        probe.ends.append(clock)
+        clock += 0.05
+        probe.starts.append(clock)
+    probe.rank, probe.window, probe.metrics = 0, {"first": 4, "last": 6}, {"train_batch_size": 8}
+    probe.at_script_end()
+    m = probe.metrics
+    assert m["end_to_end_steps"] == 7 and m["end_to_end_seconds"] == pytest.approx(0.7)  # steps 4..10, 0.1 s each
+    assert m["end_to_end_throughput"] == pytest.approx(8 / 0.1)
+    assert json.loads((tmp_path / "metrics.json").read_text())["end_to_end_throughput"] == pytest.approx(80.0)
+
+
 # ---------- real launches: 2 CPU ranks, a tiny model with controlled step times ----------
 
 TIMED = Path(__file__).parent / "scripts" / "timed_gpt.py"

@@ -224,8 +224,10 @@ class Probe:
         if self.window is None:
             self.write_rank_record("ended", reason=self.ended_early())
             return
-        first = self.window["first"]  # from the first step after warm-up to the last step's end (not the script's own epilogue)
-        mine = {"seconds": self.ends[-1] - self.starts[first - 2], "steps": n - first + 1}
+        first = self.window["first"]  # from the first step after warm-up to the last step's end (not the script's own epilogue),
+        # less the probe's own time between steps (the window's collective checks): the user's training will not have it
+        probe_s = sum(self.starts[k] - self.ends[k] for k in range(first - 1, n - 1))
+        mine = {"seconds": self.ends[-1] - self.starts[first - 2] - probe_s, "steps": n - first + 1}
         ranks = self.gather(mine)
         if self.rank == 0 and self.metrics is not None:
             from mlautotune.files import atomic_write_json
