@@ -16,6 +16,7 @@ from mlautotune.console import Console
 from mlautotune.errors import UserError
 from mlautotune.files import atomic_write_text, read_json
 from mlautotune.experiment import plain_command
+from mlautotune.measure import WINDOW_KEYS
 from mlautotune.mlproject import KEYS
 from mlautotune.redact import redact, redact_args, redact_text
 from mlautotune.report import PROVENANCE_KEY, report_artifacts, session_metrics, write_reports
@@ -272,8 +273,7 @@ def experiment_command(cfg: DictConfig) -> None:
     print(f"mlautotune: running {exp.name} ...", flush=True)
     result = session.run(exp)
     print(f"status: {result.status}")
-    for k in ("throughput", "latency", "FLOPS_per_gpu", "peak_memory_bytes", "step_time_median_ms", "step_time_spread",
-              "interval_rel", "disturbed", "cpu_wait_share", "warmup_steps", "measured_steps", "measure_seconds", "threads_per_rank"):
+    for k in ("throughput", "latency", "FLOPS_per_gpu", "peak_memory_bytes", "step_time_median_ms", "step_time_spread", *WINDOW_KEYS):
         if k in result.metrics:
             print(f"{k}: {result.metrics[k]}")
     if result.reason:

@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, Iterable, Optional
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
+from mlautotune.measure import WINDOW_KEYS
 from mlautotune.redact import redact, redact_text
 
 log = logging.getLogger("mlautotune")
@@ -392,8 +393,7 @@ def child_payload(params: Dict[str, Any], result: Dict[str, Any], memory_limit_b
     measured = result.get("metrics", {}) or {}
     p = {**knobs, "train_batch_size": measured.get("train_batch_size"), "memory_limit_bytes": memory_limit_bytes}
     keys = ("throughput", "latency", "FLOPS_per_gpu", "peak_memory_bytes", "step_time_median_ms", "step_time_min_ms", "step_time_max_ms",
-            "step_time_spread", "interval_rel", "warmup_steps", "measured_steps", "measure_seconds", "disturbed", "cpu_wait_share",
-            "threads_per_rank", "end_to_end_throughput")
+            "step_time_spread", *WINDOW_KEYS, "end_to_end_throughput")
     metrics = {k: measured[k] for k in keys if as_number(measured.get(k)) is not None}
     metrics.update({k: as_number(v) for k, v in knobs.items() if as_number(v) is not None})
     if memory_limit_bytes:
