@@ -15,6 +15,7 @@ experiment, the seconds the adaptive window adds, and how many repeats were flag
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -57,9 +58,11 @@ def measure_once(exp: Experiment, work: Path, busy: bool) -> dict:
     m = result.metrics
     row = {"status": result.status, "wall_s": result.wall_time_s, "throughput": m.get("throughput"), "interval_rel": m.get("interval_rel"),
            "disturbed": m.get("disturbed"), "measured_steps": m.get("measured_steps"), "warmup_steps": m.get("warmup_steps"),
-           "measure_seconds": m.get("measure_seconds"), "cpu_wait_share": m.get("cpu_wait_share"), "threads_per_rank": m.get("threads_per_rank")}
+           **{k: m.get(k) for k in ("measure_seconds", "target_reached", "step_time_shift", "cpu_wait_share", "thread_wait_share",
+                                    "threads_per_rank", "step_times_ms")}}
     print(f"  {exp.name:<22} {'busy ' if busy else 'quiet'} {result.status:<10} {row['throughput'] or 0:8.2f} samples/s  "
-          f"+-{100 * (row['interval_rel'] or 0):5.1f}%  steps {row['measured_steps']}  wall {result.wall_time_s:5.1f} s"
+          f"+-{100 * (row['interval_rel'] or 0):5.1f}%  steps {row['measured_steps']}  wall {result.wall_time_s:5.1f} s  "
+          f"cpu wait {row['thread_wait_share'] or 0:.2f} (all threads {row['cpu_wait_share'] or 0:.2f})"
           f"{'  DISTURBED' if row['disturbed'] else ''}", flush=True)
     return row
 
@@ -68,13 +71,24 @@ def cv(values) -> float:
     return statistics.stdev(values) / statistics.mean(values) if len(values) > 1 else 0.0
 
 
+def cv_range(cv_: float, n: int, level: float = 0.90) -> tuple:
+    """What a CV measured from n repeats allows for the true CV (normal approximation, chi-square quantiles by
+    Wilson-Hilferty): with 5 repeats, 0.65x to 2.4x the measured value at 90%."""
+    k, z = n - 1, statistics.NormalDist().inv_cdf(0.5 + level / 2)
+    chi2 = lambda zz: k * (1 - 2 / (9 * k) + zz * (2 / (9 * k)) ** 0.5) ** 3
+    return cv_ * (k / chi2(z)) ** 0.5, cv_ * (k / chi2(-z)) ** 0.5
+
+
 def summarise(rows: list, quiet_median=None) -> dict:
     ok = [r for r in rows if r["status"] == "ok"]
     tps = [r["throughput"] for r in ok]
     s = {"repeats": len(rows), "ok": len(ok), "throughputs": tps, "median_throughput": statistics.median(tps) if tps else None,
          "cv": cv(tps) if tps else None, "median_wall_s": statistics.median(r["wall_s"] for r in rows),
          "disturbed": sum(bool(r["disturbed"]) for r in ok),
-         "median_interval_rel": statistics.median(r["interval_rel"] for r in ok if r["interval_rel"] is not None) if ok else None}
+         "median_interval_rel": statistics.median(r["interval_rel"] for r in ok if r["interval_rel"] is not None) if ok else None,
+         "median_cpu_wait": statistics.median(r["thread_wait_share"] or 0.0 for r in ok) if ok else None}
+    if len(tps) > 1:
+        s["cv_90pct_range"] = cv_range(s["cv"], len(tps))
     if quiet_median:
         s["within_5pct_or_flagged"] = sum(abs(r["throughput"] / quiet_median - 1) <= CLOSE or bool(r["disturbed"]) for r in ok)
     return s
@@ -93,6 +107,7 @@ def main() -> None:
     conditions = [False, True] if args.busy else [False]
     methods = ("fixed", "adaptive")
     rows = {(m, b): [] for m in methods for b in conditions}
+    load = os.getloadavg()  # other work on the machine: a quiet one is near 0
     with tempfile.TemporaryDirectory(prefix="mlautotune-noise-") as work:
         for i in range(args.repeats):
             print(f"repeat {i + 1}/{args.repeats}", flush=True)
@@ -109,16 +124,20 @@ def main() -> None:
     added = summary["adaptive"]["quiet"]["median_wall_s"] - summary["fixed"]["quiet"]["median_wall_s"]
 
     print(f"\nZeRO-{args.stage}, micro-batch {args.mbs}, {RANKS} CPU ranks, {args.repeats} repeats per method and condition")
-    print(f"{'method':<9} {'condition':<9} {'median samples/s':>16} {'CV':>6} {'median +-':>9} {'wall s':>7} {'disturbed':>9}  within 5% or flagged")
+    print(f"load average (1 min) before / after: {load[0]:.2f} / {os.getloadavg()[0]:.2f}")
+    print(f"{'method':<9} {'condition':<9} {'median samples/s':>16} {'CV':>6} {'CV 90% range':>13} {'median +-':>9} {'wall s':>7} "
+          f"{'cpu wait':>8} {'disturbed':>9}  within 5% or flagged")
     for method in methods:
         for cond, s in summary[method].items():
             within = f"{s['within_5pct_or_flagged']}/{s['ok']}" if "within_5pct_or_flagged" in s else "-"
-            print(f"{method:<9} {cond:<9} {s['median_throughput'] or 0:16.2f} {100 * (s['cv'] or 0):5.1f}% "
-                  f"{100 * (s['median_interval_rel'] or 0):8.1f}% {s['median_wall_s']:7.1f} {s['disturbed']:>5}/{s['ok']:<3}  {within}")
+            lo, hi = s.get("cv_90pct_range", (0.0, 0.0))
+            print(f"{method:<9} {cond:<9} {s['median_throughput'] or 0:16.2f} {100 * (s['cv'] or 0):5.1f}% {100 * lo:5.1f}-{100 * hi:4.1f}% "
+                  f"{100 * (s['median_interval_rel'] or 0):8.1f}% {s['median_wall_s']:7.1f} {s['median_cpu_wait'] or 0:8.2f} "
+                  f"{s['disturbed']:>5}/{s['ok']:<3}  {within}")
     print(f"added seconds per experiment (adaptive - fixed, quiet medians): {added:+.1f} s "
           f"({100 * added / summary['fixed']['quiet']['median_wall_s']:+.0f}%)")
     if args.json:
-        out = {"args": vars(args), "measure": asdict(MeasureConf()), "summary": summary, "added_s": added,
+        out = {"args": vars(args), "measure": asdict(MeasureConf()), "summary": summary, "added_s": added, "load_before_after": [load[0], os.getloadavg()[0]],
                "rows": {f"{m}/{'busy' if b else 'quiet'}": r for (m, b), r in rows.items()}}
         Path(args.json).write_text(json.dumps(out, indent=1))
 

@@ -5,17 +5,19 @@
 #   bash scripts/services.sh start DIR     # prints, and writes to DIR/env.sh, the variables to use
 #   bash scripts/services.sh stop DIR
 #   bash scripts/services.sh status DIR
+#   bash scripts/services.sh install       # only make sure PostgreSQL is installed (scripts/setup.sh does this)
 #
 # Ports: PG_PORT (default 55432) and MLFLOW_PORT (default 55000). The database password is
 # random, kept in DIR/env.sh (mode 600); nothing listens beyond 127.0.0.1.
 set -euo pipefail
+export PATH="$PATH:/usr/sbin:/sbin"  # runuser, for root
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 cmd=${1:-}; dir=${2:-}
-if [ -z "$cmd" ] || [ -z "$dir" ]; then
-  echo "usage: bash scripts/services.sh start|stop|status DIR" >&2; exit 2
+if [ -z "$cmd" ] || { [ -z "$dir" ] && [ "$cmd" != install ]; }; then
+  echo "usage: bash scripts/services.sh start|stop|status DIR, or install" >&2; exit 2
 fi
-mkdir -p "$dir"; dir=$(cd "$dir" && pwd)
+if [ -n "$dir" ]; then mkdir -p "$dir"; dir=$(cd "$dir" && pwd); fi
 PG_PORT=${PG_PORT:-55432}
 MLFLOW_PORT=${MLFLOW_PORT:-55000}
 PY=${PYTHON:-$ROOT/.venv/bin/python}
@@ -26,8 +28,13 @@ pg_bin() {
   bin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)
   if [ -z "$bin" ]; then
     echo "services: installing PostgreSQL (Debian package)" >&2
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql >/dev/null
-    bin=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -n 1)
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q postgresql >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q postgresql >/dev/null 2>&1; } || true
+    bin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)
+    if [ -z "$bin" ]; then
+      echo "services: PostgreSQL is not installed and could not be installed here. Install Debian's package as root (apt-get install postgresql), then run this again." >&2
+      exit 2
+    fi
   fi
   echo "$bin"
 }
@@ -49,7 +56,7 @@ start() {
       echo "services: the postgres user cannot write $dir/pg (a parent folder is private to root). Use a data folder it can reach, e.g. one under /srv or /var/tmp." >&2
       exit 2
     fi
-    as_pg "$bin/initdb" -D "$dir/pg" -U mlautotune --pwfile="$dir/pg.pw" -A scram-sha-256 >/dev/null
+    as_pg "$bin/initdb" -D "$dir/pg" -U mlautotune -E UTF8 --locale=C --pwfile="$dir/pg.pw" -A scram-sha-256 >/dev/null
     rm -f "$dir/pg.pw"
     umask 077
     cat > "$dir/env.sh" <<EOF
@@ -114,5 +121,6 @@ case "$cmd" in
   start) start ;;
   stop) stop ;;
   status) status ;;
-  *) echo "usage: bash scripts/services.sh start|stop|status DIR" >&2; exit 2 ;;
+  install) echo "services: PostgreSQL in $(pg_bin)" ;;
+  *) echo "usage: bash scripts/services.sh start|stop|status DIR, or install" >&2; exit 2 ;;
 esac

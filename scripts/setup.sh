@@ -10,4 +10,6 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -c "import mlautotune, torch, deepspeed, mlflow, optuna, hydra, xgboost" 2>/dev/null
 # DeepSpeed compiles its ops on first use (about 100 s on CPU): do it now, once per machine, not inside an experiment.
 .venv/bin/python -m mlautotune.ops 2>&1 | grep -v "real_accelerator.py" || true
+# PostgreSQL for the shared-session tests (tests/test_workers.py starts it through scripts/services.sh).
+bash scripts/services.sh install || echo "mlautotune: warning: without PostgreSQL, tests/test_workers.py fails (shared sessions need it, see README)"
 echo "mlautotune: environment ready in .venv"

@@ -27,13 +27,22 @@ def test_a_fresh_extension_cache_has_everything_unbuilt(tmp_path, monkeypatch):
     assert ops.unbuilt(["ShareMemCommBuilder", "FusedAdamBuilder", "NoSuchBuilder"]) == ["ShareMemCommBuilder", "FusedAdamBuilder"]
 
 
-def test_a_lock_left_by_a_killed_build_is_found_once_it_is_old(tmp_path, monkeypatch):
+def test_a_lock_left_by_a_killed_build_is_stale_and_a_held_one_is_not(tmp_path, monkeypatch):
+    """torch's FileBaton keeps its lock open while it builds: an old lock that nobody holds was left by a killed build."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     lock = Path(_get_build_directory("deepspeed_shm_comm", verbose=False)) / "lock"
-    lock.touch()
-    assert ops.stale_locks(["ShareMemCommBuilder"]) == []  # a build may be running right now
-    os.utime(lock, (time.time() - 3600, time.time() - 3600))
-    assert ops.stale_locks(["ShareMemCommBuilder"]) == [str(lock)]
+    holder = subprocess.Popen([sys.executable, "-c", "import os, sys, time; os.open(sys.argv[1], os.O_CREAT | os.O_EXCL); print(flush=True); time.sleep(60)",
+                               str(lock)], stdout=subprocess.PIPE)
+    try:
+        holder.stdout.readline()  # the lock is created and held
+        os.utime(lock, (time.time() - 3600, time.time() - 3600))
+        assert ops.stale_locks(["ShareMemCommBuilder"]) == []  # a build is running right now, however long
+    finally:
+        holder.kill()
+        holder.wait()
+    assert ops.stale_locks(["ShareMemCommBuilder"]) == [str(lock)]  # its builder is gone
+    os.utime(lock)
+    assert ops.stale_locks(["ShareMemCommBuilder"]) == []  # too young: a build on another machine sharing the cache may hold it
 
 
 def test_a_build_made_by_another_installation_counts_as_unbuilt(tmp_path, monkeypatch):

@@ -106,7 +106,9 @@ def test_metrics_are_dated_and_a_resumed_parent_shows_the_new_best(tmp_path):
     assert c.get_run(parent).info.run_name == "sess"
 
 
-def test_odd_keys_and_long_values_are_tracked_fully(tmp_path):
+def test_odd_keys_and_long_values_are_tracked_fully(tmp_path, monkeypatch):
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
     odd = {"#comment": "x", "größe": 3, "k" * 300: 1, "zero_optimization.reduce_bucket_size": 5e8, "long": "v" * 10000, "empty": ""}
     messages = []
     t = Tracker(store(tmp_path), "mlautotune", say=messages.append)
@@ -117,6 +119,7 @@ def test_odd_keys_and_long_values_are_tracked_fully(tmp_path):
     assert params["long"].endswith("[full value: long_values/long.txt]")
     text = MlflowClient(store(tmp_path)).download_artifacts(parent, "long_values/long.txt", str(tmp_path / "dl"))
     assert Path(text).read_text() == "v" * 10000
+    assert (tmp_path / "mlartifacts").is_dir() and not (tmp_path / "cwd" / "mlruns").exists()  # beside the db, not in the cwd
 
 
 def test_no_secret_reaches_params_tags_or_artifacts(tmp_path):

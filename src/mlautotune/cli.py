@@ -22,6 +22,8 @@ commands:
   plan          print the settings and the first experiments; runs and writes nothing
   experiment    run one experiment (the plan's first) and print its metrics
   sync          fill MLflow from a results_dir after a tracking outage
+  worker        join a session shared by several workers (search.storage, search.session)
+  report        write a workers' session's report again (summary, optimum, plots, parent run)
 
 main keys (key=value, Hydra overrides):
   config=ds.json              your ds_config with "autotuning": {"enabled": true, ...}
@@ -32,7 +34,7 @@ main keys (key=value, Hydra overrides):
   autotuning.<key>=...        any key of the ds_config's autotuning section: tuner_type,
                               tuner_num_trials, metric, fast, results_dir, memory_limit_per_rank ...
   tracking.tracking_uri=URI   MLflow; also tracking.enabled, tracking.experiment_name
-  search.<key>=...            seed, storage, session, sampler, remeasure
+  search.<key>=...            seed, storage, session, sampler, remeasure, heartbeat_seconds
 
 example:
   mlautotune config=ds.json script=train.py script_args='--epochs 1' launcher.num_gpus=8 \\
@@ -59,6 +61,10 @@ def app(cfg: DictConfig) -> None:
             from mlautotune.commands import experiment_command as run
         elif cfg.command == "sync":
             from mlautotune.commands import sync_command as run
+        elif cfg.command == "worker":
+            from mlautotune.worker import worker_command as run
+        elif cfg.command == "report":
+            from mlautotune.worker import report_command as run
         else:
             from mlautotune.commands import tune_command as run
         run(cfg)

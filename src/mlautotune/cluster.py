@@ -9,6 +9,8 @@
 """
 
 import threading
+import time
+import warnings
 from typing import Optional
 
 import optuna
@@ -21,7 +23,17 @@ GRACE_S = 120  # a trial whose heartbeat is older than this belongs to a dead wo
 def storage(url: str, heartbeat_s: int = HEARTBEAT_S, grace_s: int = GRACE_S) -> optuna.storages.BaseStorage:
     """The session's Optuna storage, with heartbeats for RDB URLs (sqlite, PostgreSQL, MySQL)."""
     if url.startswith(("sqlite:", "postgresql", "mysql")):
-        return optuna.storages.RDBStorage(url, heartbeat_interval=heartbeat_s, grace_period=grace_s)
+        from sqlalchemy.exc import SQLAlchemyError
+
+        for attempt in range(3):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeats are "experimental" since Optuna 2.9
+                    return optuna.storages.RDBStorage(url, heartbeat_interval=heartbeat_s, grace_period=grace_s)
+            except SQLAlchemyError:  # workers starting together on an empty database: another one is creating the tables
+                if attempt == 2:
+                    raise
+                time.sleep(1 + attempt)
     return optuna.storages.get_storage(url)
 
 

@@ -16,6 +16,7 @@ from mlautotune.console import Console
 from mlautotune.errors import UserError
 from mlautotune.files import atomic_write_text, read_json
 from mlautotune.experiment import plain_command
+from mlautotune.measure import WINDOW_KEYS
 from mlautotune.mlproject import KEYS
 from mlautotune.redact import redact, redact_args, redact_text
 from mlautotune.report import PROVENANCE_KEY, report_artifacts, session_metrics, write_reports
@@ -34,21 +35,28 @@ def _raise_interrupt(signum, frame):
 
 
 def tune_command(cfg: DictConfig) -> None:
-    session = open_session(cfg, lock=True)
-    try:
+    with open_session(cfg, lock=True) as session:
         _tune(session)
-    finally:
-        session.release()
 
 
-def _tune(session: Session) -> None:
+def session_console(session: Session) -> Console:
+    """The session's progress console, with the plan's notices said."""
     console = Console(session.at.metric, session.at.tuner_num_trials)
     for notice in session.plan.notices:
         console.say(f"mlautotune: {notice}")
+    return console
+
+
+def session_tracker(session: Session, console: Console) -> Tracker:
+    return Tracker(session.cfg.tracking.tracking_uri, session.cfg.tracking.experiment_name, session.cfg.tracking.enabled,
+                   say=console.say, results_dir=session.results_dir)
+
+
+def _tune(session: Session) -> None:
+    console = session_console(session)
     study = session.open_study()
     tuner = Tuner(session.plan, session.search_settings(), study, session.make_experiment, session.run)
-    tracker = Tracker(session.cfg.tracking.tracking_uri, session.cfg.tracking.experiment_name, session.cfg.tracking.enabled,
-                      say=console.say, results_dir=session.results_dir)
+    tracker = session_tracker(session, console)
     resumed = len(tuner.outcome().measured)
     console.say(
         f"mlautotune: session {session.name} | stages {session.plan.stages} | metric {session.at.metric} | tuner {session.at.tuner_type}"
@@ -265,8 +273,7 @@ def experiment_command(cfg: DictConfig) -> None:
     print(f"mlautotune: running {exp.name} ...", flush=True)
     result = session.run(exp)
     print(f"status: {result.status}")
-    for k in ("throughput", "latency", "FLOPS_per_gpu", "peak_memory_bytes", "step_time_median_ms", "step_time_spread",
-              "interval_rel", "disturbed", "cpu_wait_share", "warmup_steps", "measured_steps", "measure_seconds", "threads_per_rank"):
+    for k in ("throughput", "latency", "FLOPS_per_gpu", "peak_memory_bytes", "step_time_median_ms", "step_time_spread", *WINDOW_KEYS):
         if k in result.metrics:
             print(f"{k}: {result.metrics[k]}")
     if result.reason:

@@ -83,6 +83,7 @@ class SearchConf:
     session: Optional[str] = None  # session name; None -> derived from script, args, ds_config and settings
     sampler: Dict[str, Any] = field(default_factory=dict)  # any Optuna sampler by Hydra _target_ (empty: tuner_type's); overrides tuner_type
     remeasure: int = 2  # extra measurements of near-tied leaders before the optimum is declared
+    heartbeat_seconds: int = 30  # workers: a running trial's heartbeat; after 4 missed beats another worker runs it again
 
 
 @dataclass
@@ -91,17 +92,17 @@ class MeasureConf:
 
     adaptive: bool = True  # false: exactly start_profile_step..end_profile_step, as before (for benchmarks)
     target_interval: float = 0.02  # stop once the median step time is known to +-2% (95% confidence)
-    budget_s: float = 3.0  # ... or once this many seconds were measured, warm-up included
+    budget_s: float = 4.5  # ... or once this many seconds were measured, warm-up included (CPU: ~35 steps of the bundled workload)
     max_warmup_steps: int = 10  # leading steps skipped at most while the step time settles
     warmup_tolerance: float = 0.10  # a leading step slower than 1.1x the median of the rest is warm-up
     confidence: float = 0.95
-    max_cpu_wait: float = 0.05  # a rank waiting for a CPU longer than this share of the window is disturbed (Linux)
+    max_cpu_wait: float = 0.10  # a rank's training thread waiting for a CPU longer than this share of the window: disturbed (Linux)
     check_every: int = 2  # optimizer steps between the ranks' collective stop checks
 
 
 @dataclass
 class MLAutotuneConf:
-    command: str = "tune"  # tune | plan | experiment | sync (the first word on the command line)
+    command: str = "tune"  # tune | plan | experiment | sync | worker | report (the first word on the command line)
     config: Optional[str] = None  # ds_config path; None -> the bundled example
     script: Optional[str] = None  # training script; None -> the bundled workload
     script_args: str = ""  # the script's arguments, one string, split like a POSIX shell would (never run by one)
@@ -268,7 +269,7 @@ def canonical_metric(name: str) -> str:
 
 
 FLAG = re.compile(r"--?[A-Za-z0-9][A-Za-z0-9_.-]*")
-COMMANDS = ("tune", "plan", "experiment", "sync")
+COMMANDS = ("tune", "plan", "experiment", "sync", "worker", "report")
 
 
 def validate(cfg: DictConfig) -> None:
@@ -304,11 +305,13 @@ def validate(cfg: DictConfig) -> None:
         parse_bytes(at.memory_limit_per_rank)
     validate_launcher(cfg.launcher)
     validate_sampler(cfg.search.sampler)
+    if cfg.search.heartbeat_seconds < 1:
+        raise UserError(f"search.heartbeat_seconds={cfg.search.heartbeat_seconds} must be at least 1.", "Give the seconds between a worker's heartbeats (default 30; a trial is run again after 4 missed beats).")
     if cfg.search.remeasure < 0:
         raise UserError(f"search.remeasure={cfg.search.remeasure} must be 0 or more.", "Give the number of extra measurements of near-tied leaders (default 2).")
     m = cfg.measure
     if m.target_interval <= 0 or m.budget_s < 0 or m.max_warmup_steps < 0 or m.check_every < 1 or not 0 < m.confidence < 1:
-        raise UserError(f"The measure settings are out of range: {dict(m)}.", "Use measure.target_interval > 0, budget_s >= 0, max_warmup_steps >= 0, check_every >= 1 and 0 < confidence < 1 (defaults 0.02, 3, 10, 2, 0.95).")
+        raise UserError(f"The measure settings are out of range: {dict(m)}.", "Use measure.target_interval > 0, budget_s >= 0, max_warmup_steps >= 0, check_every >= 1 and 0 < confidence < 1 (defaults 0.02, 4.5, 10, 2, 0.95).")
 
 def validate_command(command: str) -> None:
     if command not in COMMANDS:

@@ -14,12 +14,20 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 
+# What metrics.json says about its measurement window (beyond throughput, latency, FLOPS_per_gpu), one list for
+# every reader: the console, the child runs.
+WINDOW_KEYS = ("interval_rel", "target_reached", "disturbed", "step_time_shift", "cpu_wait_share", "thread_wait_share",
+               "warmup_steps", "measured_steps", "measure_seconds", "threads_per_rank")
+
+
 @dataclass(frozen=True)
 class Decision:
     stop: bool
     warmup: int  # leading steps skipped as warm-up
-    interval_rel: float  # relative half-width of the median's confidence interval (inf: too few steps)
-    disturbed: bool  # the target was not reached, or a rank waited too long for a CPU
+    interval_rel: float  # relative half-width of the median's confidence interval (inf: too few steps), at least the disturbance's cost
+    target_reached: bool  # interval_rel <= the target; a window that ends short of it is not disturbed, only less precise
+    disturbed: bool  # a rank's training thread waited for a CPU longer than max_cpu_wait of the window, or the step time shifted
+    shift: float = 0.0  # step_time_shift of the measured steps
 
 
 def median_interval(times: Sequence[float], confidence: float = 0.95) -> Tuple[float, float, float]:
@@ -43,6 +51,12 @@ def median_interval(times: Sequence[float], confidence: float = 0.95) -> Tuple[f
     return statistics.median(x), x[j - 1], x[n - j]
 
 
+def fewest_steps(confidence: float = 0.95) -> int:
+    """The fewest values whose range [min, max] covers the median with `confidence` (6 for 95%): below it
+    no interval from order statistics has that coverage, whatever the values."""
+    return max(2, math.ceil(math.log2(2.0 / (1.0 - confidence))))
+
+
 def interval_rel(times: Sequence[float], confidence: float = 0.95) -> float:
     """The larger side of the median's confidence interval, relative to the median (0.02: +-2%)."""
     if len(times) < 2:
@@ -64,31 +78,72 @@ def warmup_steps(times: Sequence[float], tolerance: float, cap: int, keep: int) 
     return limit
 
 
+def step_time_shift(times: Sequence[float], confidence: float = 0.95) -> float:
+    """How far the median step time moved between the window's two halves, relative to the whole window's
+    median, when the halves' confidence intervals do not even overlap (a change of regime: work that began
+    or ended on the machine mid-window); 0.0 otherwise, or when a half has too few steps to tell."""
+    half = len(times) // 2
+    if half < fewest_steps(confidence):
+        return 0.0
+    (m1, lo1, hi1), (m2, lo2, hi2) = median_interval(times[:half], confidence), median_interval(times[half:], confidence)
+    return abs(m1 - m2) / statistics.median(times) if hi1 < lo2 or hi2 < lo1 else 0.0
+
+
 def decide(times: Sequence[float], elapsed_s: float, min_steps: int, settings: Dict, cpu_wait: float = 0.0) -> Decision:
     """Whether the window can end now. `times`: step times from start_profile_step on (slowest rank per
     step); `elapsed_s`: seconds since the window opened (warm-up included); `min_steps`: the user's
     window length (end_profile_step - start_profile_step + 1), a minimum; `cpu_wait`: the largest share
-    of the window a rank spent runnable but waiting for a CPU (another process took it).
+    of the window a rank's training thread spent runnable but waiting for a CPU (another process or
+    thread took it): the step time it may have cost, at most.
 
-    A window that waited for CPUs is disturbed even when its step times agree (a constant slowdown):
-    it goes on to the budget, so the disturbance weighs less if it passes, and is flagged."""
+    Not reaching the target is not a disturbance: the interval says how precise the figure is. A window
+    is disturbed when its training threads waited for CPUs, even when its step times agree (a constant
+    slowdown), or when its step time shifted between its halves by more than the target. It goes on to
+    the budget, so the disturbance weighs less if it passes, and is flagged (the search re-measures it),
+    with an interval of at least the wait or the shift: what the disturbance may have cost."""
     adaptive = settings["adaptive"]
     w = warmup_steps(times, settings["warmup_tolerance"], settings["max_warmup_steps"], min_steps) if adaptive else 0
     measured = times[w:]
     rel = interval_rel(measured, settings["confidence"])
-    disturbed = rel > settings["target_interval"] or cpu_wait > settings["max_cpu_wait"]
+    reached = rel <= settings["target_interval"] and len(measured) >= fewest_steps(settings["confidence"])  # 3 close values prove nothing
+    shift = step_time_shift(measured, settings["confidence"])
+    cost = max(cpu_wait if cpu_wait > settings["max_cpu_wait"] else 0.0, shift if shift > settings["target_interval"] else 0.0)
+    disturbed = cost > 0
     enough = len(measured) >= min_steps
-    return Decision(stop=not adaptive or (enough and (not disturbed or elapsed_s >= settings["budget_s"])),
-                    warmup=w, interval_rel=rel, disturbed=disturbed)
+    return Decision(stop=not adaptive or (enough and ((reached and not disturbed) or elapsed_s >= settings["budget_s"])),
+                    warmup=w, interval_rel=max(rel, cost), target_reached=reached, disturbed=disturbed, shift=shift)
 
 
-def cpu_wait_seconds() -> Optional[float]:
-    """Seconds this process's threads have spent runnable but waiting for a CPU (Linux schedstat); None elsewhere."""
-    total = 0
+def check_due(n: int, end: int, settings: Dict) -> bool:
+    """Whether the ranks check the window after optimizer step n (1-based; `end`: end_profile_step)."""
+    if not settings["adaptive"]:
+        return n == end
+    return n >= end and (n - end) % settings["check_every"] == 0
+
+
+def replay(times: Sequence[float], start: int, end: int, settings: Dict, cpu_wait: float = 0.0) -> Tuple[int, Decision]:
+    """Where the probe's window would close on recorded step times (times[0] is step `start`), and its decision:
+    the probe's loop without the training, for tests and offline study. (len(times) + start - 1, last
+    decision) when the recording ends first."""
+    decision = None
+    for n in range(end, start + len(times)):
+        if check_due(n, end, settings):
+            measured = times[:n - start + 1]
+            decision = decide(measured, sum(measured), end - start + 1, settings, cpu_wait)
+            if decision.stop:
+                return n, decision
+    return start + len(times) - 1, decision
+
+
+def cpu_wait_seconds(this_thread: bool = False) -> Optional[float]:
+    """Seconds this process's threads (or only the calling thread) have spent runnable but waiting for a CPU
+    (Linux schedstat); None elsewhere."""
     try:
-        for tid in os.listdir("/proc/self/task"):
+        paths = ["/proc/thread-self/schedstat"] if this_thread else [f"/proc/self/task/{t}/schedstat" for t in os.listdir("/proc/self/task")]
+        total = 0
+        for path in paths:
             try:
-                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                with open(path) as f:
                     total += int(f.read().split()[1])
             except FileNotFoundError:  # a thread that just ended
                 continue

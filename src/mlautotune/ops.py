@@ -23,8 +23,8 @@ OPTIMIZER_OPS = {
     "lion": ("FusedLionBuilder", "CPULionBuilder"),
     "adagrad": (None, "CPUAdagradBuilder"),
 }
-COMM_OP = "ShareMemCommBuilder"
-STALE_LOCK_S = 1800.0  # loaded by deepspeed.comm's torch backend at init (CPU accelerator)
+COMM_OP = "ShareMemCommBuilder"  # loaded by deepspeed.comm's torch backend at init (CPU accelerator)
+STALE_LOCK_GRACE_S = 120.0
 
 
 def needed(ds_config: Optional[Dict[str, Any]]) -> List[str]:
@@ -79,9 +79,11 @@ def built_here(build_dir: str) -> bool:
     return all(os.path.dirname(os.path.abspath(m.__file__)) in text for m in (deepspeed, torch))
 
 
-def stale_locks(names: List[str], older_than_s: float = STALE_LOCK_S) -> List[str]:
+def stale_locks(names: List[str], grace_s: float = STALE_LOCK_GRACE_S) -> List[str]:
     """Build locks left by a build that was killed: torch waits on such a lock forever, so every
-    experiment would hang at start-up. A build takes minutes; a lock this old belongs to no one."""
+    experiment would hang at start-up. torch's FileBaton holds its lock file open until the build
+    is over, so a lock no process here holds open is stale. `grace_s` spares a build that another
+    machine may be running in a shared home folder's cache just now."""
     import time
 
     from torch.utils.cpp_extension import _get_build_directory
@@ -93,11 +95,24 @@ def stale_locks(names: List[str], older_than_s: float = STALE_LOCK_S) -> List[st
             continue
         lock = os.path.join(_get_build_directory(builder.name, verbose=False), "lock")
         try:
-            if time.time() - os.path.getmtime(lock) > older_than_s:
+            if time.time() - os.path.getmtime(lock) > grace_s and not _held_open(lock):
                 found.append(lock)
         except OSError:
             pass
     return found
+
+
+def _held_open(path: str) -> bool:
+    import psutil
+
+    real = os.path.realpath(path)
+    for p in psutil.process_iter():
+        try:
+            if any(f.path == real for f in p.open_files()):
+                return True
+        except psutil.Error:
+            continue
+    return False
 
 
 def _listdir(path: str) -> List[str]:

@@ -75,7 +75,7 @@ class Probe:
         self.ends = []  # perf_counter when engine.global_steps became 1, 2, ... (after synchronising, in the window)
         self.starts = []  # perf_counter when the probe handed control back to the script after each step
         self.window = None  # once the window is closed: its first and last measured step
-        self.wait_at_open = None  # seconds this rank had waited for a CPU when the window opened (Linux)
+        self.wait_at_open = None  # (process, training thread): seconds waited for a CPU when the window opened (Linux)
         self.engine = None
         self.metrics = None  # rank 0: what metrics.json holds
         self.fwd_flops = None  # one micro-batch forward, from DeepSpeed's flops profiler
@@ -155,15 +155,10 @@ class Probe:
         self.check_memory()
         if n == self.start - 1:
             self.mark("window_start")
-            self.wait_at_open = measure.cpu_wait_seconds()
-        if self.window is None and n >= self.end and self.check_due(n):
+            self.wait_at_open = (measure.cpu_wait_seconds(), measure.cpu_wait_seconds(this_thread=True))
+        if self.window is None and measure.check_due(n, self.end, self.measure):
             self.check_window(n)
         self.starts.append(time.perf_counter())  # the probe's own time (checks, files) is no step's time
-
-    def check_due(self, n: int) -> bool:
-        if not self.measure["adaptive"]:
-            return n == self.end
-        return (n - self.end) % self.measure["check_every"] == 0
 
     def step_times(self, n: int) -> list:
         """Seconds of steps start..n: from the script getting control back after the previous step to this step's end."""
@@ -184,20 +179,20 @@ class Probe:
         """The collective stop check: combine the ranks' step times (slowest rank per step) and decide."""
         import torch
 
-        wait = measure.cpu_wait_seconds()
         elapsed = self.ends[n - 1] - self.starts[self.start - 2]
+        waits = (measure.cpu_wait_seconds(), measure.cpu_wait_seconds(this_thread=True))
+        share = [(now - then) / elapsed if None not in (now, then) and elapsed > 0 else 0.0 for now, then in zip(waits, self.wait_at_open)]
         mine = {"step_times": self.step_times(n), "elapsed": elapsed, "peak": self.peak, "fwd_flops": self.fwd_flops or 0,
-                "threads": torch.get_num_threads(),
-                "cpu_wait": (wait - self.wait_at_open) / elapsed if None not in (wait, self.wait_at_open) and elapsed > 0 else 0.0}
+                "threads": torch.get_num_threads(), "cpu_wait": share[0], "thread_wait": share[1]}
         ranks = self.gather(mine)
         steps = [max(per_rank) for per_rank in zip(*(r["step_times"] for r in ranks))]
         elapsed = max(r["elapsed"] for r in ranks)
-        cpu_wait = max(0.0, *(r["cpu_wait"] for r in ranks))
-        decision = measure.decide(steps, elapsed, self.end - self.start + 1, self.measure, cpu_wait)
+        waits = {"cpu_wait_share": max(0.0, *(r["cpu_wait"] for r in ranks)), "thread_wait_share": max(0.0, *(r["thread_wait"] for r in ranks))}
+        decision = measure.decide(steps, elapsed, self.end - self.start + 1, self.measure, waits["thread_wait_share"])
         if decision.stop or script_ended:
-            self.close_window(n, steps, ranks, decision, elapsed, cpu_wait)
+            self.close_window(n, steps, ranks, decision, elapsed, waits)
 
-    def close_window(self, n: int, steps: list, ranks: list, decision, elapsed: float, cpu_wait: float) -> None:
+    def close_window(self, n: int, steps: list, ranks: list, decision, elapsed: float, waits: dict) -> None:
         """Write metrics.json on rank 0; end every rank, unless this is the final training (it goes on)."""
         from deepspeed import comm as dist
 
@@ -206,10 +201,10 @@ class Probe:
         self.mark("window_end")
         self.window = {"last": n, "first": self.start + decision.warmup}
         if self.rank == 0:
-            self.metrics = self.window_metrics(steps[decision.warmup:], ranks, decision, elapsed, cpu_wait)
+            self.metrics = self.window_metrics(steps[decision.warmup:], ranks, decision, elapsed, waits)
             atomic_write_json(os.path.join(self.exp_dir, METRICS_FILE), self.metrics)
         self.mark("combined")
-        self.write_rank_record("measured")
+        self.write_rank_record("measured", step_times_ms=[t * 1000.0 for t in self.step_times(n)])  # this rank's own, for offline study
         if not self.settings.get("stop_after_window", True):
             return  # the final training: keep training to the script's own end
         if dist.is_initialized():
@@ -229,8 +224,10 @@ class Probe:
         if self.window is None:
             self.write_rank_record("ended", reason=self.ended_early())
             return
-        first = self.window["first"]  # from the first step after warm-up to the last step's end (not the script's own epilogue)
-        mine = {"seconds": self.ends[-1] - self.starts[first - 2], "steps": n - first + 1}
+        first = self.window["first"]  # from the first step after warm-up to the last step's end (not the script's own epilogue),
+        # less the probe's own time between steps (the window's collective checks): the user's training will not have it
+        probe_s = sum(self.starts[k] - self.ends[k] for k in range(first - 1, n - 1))
+        mine = {"seconds": self.ends[-1] - self.starts[first - 2] - probe_s, "steps": n - first + 1}
         ranks = self.gather(mine)
         if self.rank == 0 and self.metrics is not None:
             from mlautotune.files import atomic_write_json
@@ -241,7 +238,7 @@ class Probe:
             atomic_write_json(os.path.join(self.exp_dir, METRICS_FILE), self.metrics)
         self.write_rank_record("measured")
 
-    def window_metrics(self, steps: list, ranks: list, decision, elapsed: float, cpu_wait: float) -> dict:
+    def window_metrics(self, steps: list, ranks: list, decision, elapsed: float, waits: dict) -> dict:
         engine = self.engine
         med, lo, hi = statistics.median(steps), min(steps), max(steps)
         tbs, mbs, gas = engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
@@ -259,8 +256,10 @@ class Probe:
             "step_time_spread": (hi - lo) / med,
             "step_times_ms": [t * 1000.0 for t in steps],
             "interval_rel": decision.interval_rel if math.isfinite(decision.interval_rel) else None,
+            "target_reached": decision.target_reached,
             "disturbed": decision.disturbed,
-            "cpu_wait_share": cpu_wait,
+            "step_time_shift": decision.shift,
+            **waits,  # shares of the window spent waiting for a CPU: all of a rank's threads, its training thread (decides)
             "warmup_steps": decision.warmup,
             "measured_steps": len(steps),
             "measure_seconds": elapsed,

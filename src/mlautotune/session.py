@@ -51,11 +51,18 @@ class Session:
     memory_limit_bytes: int
     device: str
     lock: Optional["SessionLock"] = None  # held while this process works on results_dir
+    worker: bool = False  # one of several workers on the session (`mlautotune worker`)
 
     def release(self) -> None:
         if self.lock is not None:
             self.lock.release()
             self.lock = None
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
 
     @property
     def at(self) -> DictConfig:
@@ -76,6 +83,7 @@ class Session:
             world_size=self.world_size,
             device=self.device,
             sampler_target=sampler,
+            alone=not self.worker,
         )
 
     def make_experiment(self, params: Dict[str, Any]) -> Experiment:
@@ -104,10 +112,26 @@ class Session:
             f.write(f"{datetime.now().isoformat(timespec='seconds')} {exp.name}\n")
         return run_experiment(exp, self.results_dir)
 
-    def open_study(self) -> optuna.Study:
+    def shared_storage(self) -> optuna.storages.BaseStorage:
+        """The storage as workers open it: with heartbeats every search.heartbeat_seconds, so the trial
+        of a worker that died is failed after 4 missed beats and run again by another."""
+        from sqlalchemy.exc import OperationalError
+
+        from mlautotune.cluster import storage
+        from mlautotune.redact import redact_text
+
+        beat = self.cfg.search.heartbeat_seconds
+        try:
+            return storage(self.storage, beat, 4 * beat)
+        except OperationalError as e:
+            reason = redact_text(str(e.orig or e).strip().splitlines()[0])
+            raise UserError(f"The shared study's database search.storage={redact_text(self.storage)} cannot be reached: {reason}.",
+                            "Check that the database server runs (`bash scripts/services.sh status DIR`) and that the URL, with its password, is the one in DIR/env.sh.")
+
+    def open_study(self, store: Optional[optuna.storages.BaseStorage] = None) -> optuna.Study:
         direction = "minimize" if self.at.metric == "latency" else "maximize"
         try:
-            return optuna.create_study(storage=self.storage, study_name=self.name, direction=direction, load_if_exists=True)
+            return optuna.create_study(storage=store or self.storage, study_name=self.name, direction=direction, load_if_exists=True)
         except ValueError as e:
             raise UserError(f"The Optuna study {self.name!r} in {self.storage} cannot be used: {e}.", "Pick another search.session name or storage.")
 
@@ -120,11 +144,13 @@ class Session:
         atomic_write_json(path, record)
 
 
-def open_session(cfg: DictConfig, dry_run: bool = False, lock: bool = False) -> Session:
+def open_session(cfg: DictConfig, dry_run: bool = False, lock: bool = False, worker: bool = False) -> Session:
     """Validate every input and build the session. Any user mistake raises UserError.
 
     dry_run (plan): the same checks, but nothing is created: no folders, no MLflow store, no study.
     lock: the results folder is locked for this process (another session there is refused).
+    worker: one of several workers: the lock is shared with the other workers on this folder, and the
+    session's name does not depend on which devices or hosts this worker launches on (only how many).
     """
     overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     ds_path = _given_path(cfg.config, "config", "your ds_config.json", BUNDLED_CONFIG)
@@ -146,14 +172,14 @@ def open_session(cfg: DictConfig, dry_run: bool = False, lock: bool = False) -> 
         _check_writable(d, create=not dry_run)
     device = accelerator_name()
     limit = configlib.parse_bytes(final.autotuning.memory_limit_per_rank) if final.autotuning.memory_limit_per_rank else default_memory_limit(device, resources, ws)
-    name = final.search.session or identity(final, ds_config, script, script_args)
+    name = final.search.session or identity(final, ds_config, script, script_args, world_size=ws if worker else None)
     if final.autotuning.overwrite:
         name = f"{name}-{datetime.now():%Y%m%d-%H%M%S}"
     storage = final.search.storage or f"sqlite:///{results_dir / 'optuna.db'}"
     _check_storage(storage)
     _check_tracking_uri(final.tracking.tracking_uri, create=not dry_run)
     remember_secrets(script_args, storage, final.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", ""), ds_config)
-    held = SessionLock(results_dir, name).acquire() if lock else None
+    held = SessionLock(results_dir, name, shared=worker).acquire() if lock else None
     try:
         _check_results_dir_owner(results_dir, name, final.autotuning.overwrite)
         if lock and final.autotuning.overwrite:
@@ -161,7 +187,7 @@ def open_session(cfg: DictConfig, dry_run: bool = False, lock: bool = False) -> 
     except BaseException:
         held and held.release()
         raise
-    return Session(final, ds_path, ds_config, plan, script, script_args, resources, ws, results_dir, exps_dir, name, storage, limit, device, held)
+    return Session(final, ds_path, ds_config, plan, script, script_args, resources, ws, results_dir, exps_dir, name, storage, limit, device, held, worker)
 
 
 LOCK_FILE = ".session.lock"
@@ -173,14 +199,13 @@ class SessionLock:
     The lock file names the holder (pid, host, session). The kernel drops the lock when the
     process dies, so a killed session never blocks its resume.
 
-    JOIN_AS_WORKER is the hook for several workers on one session (issue 15, not built): a worker
-    joining on purpose would take a shared lock here instead of the exclusive one."""
+    Workers of one session (`mlautotune worker`) on the same folder share the lock (`shared`): they
+    exclude a `tune` there, not each other."""
 
-    JOIN_AS_WORKER = False
-
-    def __init__(self, results_dir: Path, session: str):
+    def __init__(self, results_dir: Path, session: str, shared: bool = False):
         self.path = results_dir / LOCK_FILE
         self.session = session
+        self.shared = shared
         self._fd: Optional[int] = None
 
     def acquire(self) -> "SessionLock":
@@ -188,7 +213,7 @@ class SessionLock:
 
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, (fcntl.LOCK_SH if self.JOIN_AS_WORKER else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+            fcntl.flock(fd, (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.read(fd, 4096).decode(errors="replace").strip() or "another process"
             os.close(fd)
@@ -197,7 +222,7 @@ class SessionLock:
                 "each other's experiments interrupted and overwrite each other's files.",
                 "Wait for that session to end (or stop it), or set autotuning.results_dir to another folder.",
             )
-        os.ftruncate(fd, 0)
+        os.ftruncate(fd, 0)  # a worker names itself: any of the workers is a fair answer to "who holds it"
         os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()} (session {self.session}, since {datetime.now():%Y-%m-%d %H:%M:%S})\n".encode())
         self._fd = fd
         return self
@@ -269,8 +294,9 @@ def _check_storage(storage: str) -> None:
             raise UserError(f"search.storage={storage!r} points into {str(folder)!r}, which is not a folder.", "Point the sqlite URL at a file in an existing folder.")
 
 
-def identity(cfg: DictConfig, ds_config: Dict[str, Any], script: Path, script_args: List[str]) -> str:
-    """A stable session name from what determines the measurements (not from budgets or paths)."""
+def identity(cfg: DictConfig, ds_config: Dict[str, Any], script: Path, script_args: List[str], world_size: Optional[int] = None) -> str:
+    """A stable session name from what determines the measurements (not from budgets or paths).
+    Workers give their world size instead of their launcher settings: each has its own devices or hosts."""
     at = {k: v for k, v in OmegaConf.to_container(cfg.autotuning, resolve=True).items() if k not in NOT_IDENTITY}
     user = {k: v for k, v in ds_config.items() if k != "autotuning"}
     blob = json.dumps(
@@ -280,7 +306,7 @@ def identity(cfg: DictConfig, ds_config: Dict[str, Any], script: Path, script_ar
             "ds_config": user,
             "autotuning": at,
             "space": OmegaConf.to_container(cfg.space, resolve=True),
-            "launcher": OmegaConf.to_container(cfg.launcher, resolve=True),
+            "launcher": OmegaConf.to_container(cfg.launcher, resolve=True) if world_size is None else {"world_size": world_size},
             "seed": cfg.search.seed,
             "sampler": OmegaConf.to_container(cfg.search.sampler, resolve=True) if cfg.search.sampler else None,
         },

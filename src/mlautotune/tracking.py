@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, Iterable, Optional
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
+from mlautotune.measure import WINDOW_KEYS
 from mlautotune.redact import redact, redact_text
 
 log = logging.getLogger("mlautotune")
@@ -98,6 +99,14 @@ def _outage(e: Exception) -> bool:
     MLflow rejected (4xx): retrying it would fail the same way."""
     code = getattr(e, "get_http_status_code", lambda: 500)()
     return not (400 <= int(code or 500) < 500)
+
+
+def local_artifacts(tracking_uri: str) -> Optional[str]:
+    """Artifacts of a local sqlite store go beside the database file (`mlartifacts/`), not into
+    MLflow's default `./mlruns` of whatever folder the session was started in."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    return (Path(tracking_uri[len("sqlite:///"):]).resolve().parent / "mlartifacts").as_uri()
 
 
 class Tracker:
@@ -203,7 +212,7 @@ class Tracker:
 
     def _experiment(self) -> str:
         exp = self.client.get_experiment_by_name(self.experiment_name)
-        return exp.experiment_id if exp else self.client.create_experiment(self.experiment_name)
+        return exp.experiment_id if exp else self.client.create_experiment(self.experiment_name, local_artifacts(self.tracking_uri))
 
     def experiment_label(self) -> str:
         """Where the runs are, for the console: the MLflow experiment's name and the parent run id."""
@@ -384,8 +393,7 @@ def child_payload(params: Dict[str, Any], result: Dict[str, Any], memory_limit_b
     measured = result.get("metrics", {}) or {}
     p = {**knobs, "train_batch_size": measured.get("train_batch_size"), "memory_limit_bytes": memory_limit_bytes}
     keys = ("throughput", "latency", "FLOPS_per_gpu", "peak_memory_bytes", "step_time_median_ms", "step_time_min_ms", "step_time_max_ms",
-            "step_time_spread", "interval_rel", "warmup_steps", "measured_steps", "measure_seconds", "disturbed", "cpu_wait_share",
-            "threads_per_rank", "end_to_end_throughput")
+            "step_time_spread", *WINDOW_KEYS, "end_to_end_throughput")
     metrics = {k: measured[k] for k in keys if as_number(measured.get(k)) is not None}
     metrics.update({k: as_number(v) for k, v in knobs.items() if as_number(v) is not None})
     if memory_limit_bytes:

@@ -112,6 +112,7 @@ class Ledger:
         self.pending: Dict[int, Dict[str, Any]] = {}  # RUNNING trials (other workers', and this one's in flight): number -> params
         self.pending_repeats: Dict[str, int] = {}  # of those, re-measurements: params key -> how many
         self._loaded: set = set()
+        self.alone = alone
         self._adopt_dead_trials(alone)
         self.refresh()
 
@@ -120,17 +121,23 @@ class Ledger:
         """Trials left RUNNING by a dead process: with Optuna heartbeats, those whose heartbeat
         stopped; a tuner alone on its session (the session lock) also ends every RUNNING trial. Both
         become FAIL trials without a result, which is what `interrupted` means."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            optuna.storages.fail_stale_trials(self.study)
+        self._fail_stale_trials()
         for t in self.study.get_trials(deepcopy=False):
             if alone and t.state == TrialState.RUNNING:
                 self.study.tell(t.number, state=TrialState.FAIL)
             if alone and t.state in (TrialState.RUNNING, TrialState.FAIL) and "result" not in t.user_attrs:
                 self.interrupted.append(t.number)
 
+    def _fail_stale_trials(self) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(self.study)
+
     def refresh(self) -> None:
-        """Take in the trials finished since the last look (this worker's and others'), and the pending ones."""
+        """Take in the trials finished since the last look (this worker's and others'), and the pending
+        ones. Among workers, a pending trial whose worker stopped beating is failed first: it is free again."""
+        if not self.alone:
+            self._fail_stale_trials()
         self.pending, self.pending_repeats = {}, {}
         for t in self.study.get_trials(deepcopy=False):
             if t.number in self._loaded:

@@ -49,13 +49,12 @@ class Tuner:
     def tune(self) -> Outcome:
         while True:
             claimed = self.propose()
-            if claimed is None:
-                if not self.ledger.pending:
-                    break
-                time.sleep(self.s.poll_seconds)  # other workers are measuring: their results may open new steps
-                continue
-            if claimed == "budget":
-                self.note(f"stopped: tuner_num_trials={self.s.num_trials} experiments run")
+            if claimed is None or claimed == "budget":
+                if self.ledger.pending:  # other workers are measuring: their results may open new steps, a dead one's trial is run again
+                    time.sleep(self.s.poll_seconds)
+                    continue
+                if claimed == "budget":
+                    self.note(f"stopped: tuner_num_trials={self.s.num_trials} experiments run")
                 break
             self.run(*claimed)
         return self.outcome()
@@ -69,7 +68,7 @@ class Tuner:
             self._flush_notes()
             if step is None:
                 return None
-            if self.ledger.experiments + len(self.ledger.pending) >= self.s.num_trials:  # re-measurements and others' pending trials are launches too
+            if self.ledger.experiments + len(self.ledger.pending) >= self.s.num_trials:  # re-measurements and other workers' running trials count
                 return "budget"
             trial = self.ledger.claim(step.params, step.repeat_of)
             if trial is not None:
