@@ -388,6 +388,26 @@ def test_a_trial_left_running_by_a_dead_process_is_interrupted_through_the_publi
     assert {"stage": 0, "micro_batch": 1, "gas": 1} in [m.params for m in out.measured]  # run again
 
 
+def test_a_dead_workers_trial_is_run_again_first_even_where_the_strategy_would_not_go(tmp_path):
+    """Worker B dies holding micro-batch 3 of stage 0, a size the strategy never proposes on its own:
+    once B's trial is failed (stale heartbeat), worker A runs it again before anything new."""
+    storage = f"sqlite:///{tmp_path / 'o.db'}"
+    a, study = tuner(make_plan(stages=[0]), Landscape(), storage, alone=False, poll_seconds=0)
+    b, _ = tuner(make_plan(stages=[0]), Landscape(), storage, alone=False, poll_seconds=0)
+    odd = {"stage": 0, "micro_batch": 3, "gas": 1}
+    dead = b.ledger.claim(odd)
+    first = a.propose()
+    assert first[0].params != odd  # still running: taken
+    a.run(*first)
+    study.tell(dead.number, state=optuna.trial.TrialState.FAIL)  # what fail_stale_trials does once B stops beating
+    trial, step = a.propose()
+    assert trial.params == odd and "again" in step.why
+    a.run(trial, step)
+    out = a.tune()
+    assert [m.params for m in out.measured].count(odd) == 1  # once, not again and again
+    assert odd not in [p for p in a.ledger.to_run_again()]
+
+
 def test_two_workers_never_run_the_same_params(tmp_path):
     """Two tuners on one study, interleaved: each proposes while the other's trial is RUNNING."""
     storage = f"sqlite:///{tmp_path / 'o.db'}"

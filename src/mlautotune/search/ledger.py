@@ -22,6 +22,8 @@ from optuna.trial import FrozenTrial, TrialState
 from mlautotune.experiment import Result
 from mlautotune.search.candidates import params_key
 
+MAX_CUT_OFF = 3  # a configuration whose experiment was cut off this often is not run again
+
 METRIC_KEYS = {"throughput": "throughput", "latency": "latency", "FLOPS": "FLOPS_per_gpu"}
 
 
@@ -111,6 +113,8 @@ class Ledger:
         self.interrupted: List[int] = []  # trials found cut off when the session resumed
         self.pending: Dict[int, Dict[str, Any]] = {}  # RUNNING trials (other workers', and this one's in flight): number -> params
         self.pending_repeats: Dict[str, int] = {}  # of those, re-measurements: params key -> how many
+        self.cut_off: Dict[str, Dict[str, Any]] = {}  # configurations whose trial was cut off (a worker died or was interrupted): key -> params
+        self.cut_off_times: Dict[str, int] = {}  # how often each was cut off
         self._loaded: set = set()
         self.alone = alone
         self._adopt_dead_trials(alone)
@@ -151,6 +155,10 @@ class Ledger:
             self._loaded.add(t.number)
             if "result" in t.user_attrs and "duplicate_of" not in t.user_attrs:
                 self._reuse(t)
+            elif t.state == TrialState.FAIL and "repeat_of" not in t.user_attrs:
+                key = params_key(trial_params(t))
+                self.cut_off[key] = trial_params(t)
+                self.cut_off_times[key] = self.cut_off_times.get(key, 0) + 1
 
     def _reuse(self, t: FrozenTrial) -> None:
         m = Measured(trial_params(t), Result.from_dict(t.user_attrs["result"]), t.number, t.value if t.state == TrialState.COMPLETE else None)
@@ -174,6 +182,13 @@ class Ledger:
     def taken(self) -> set:
         """Keys of every configuration measured or being measured by any worker."""
         return set(self.measured) | {params_key(p) for p in self.pending.values()}
+
+    def to_run_again(self) -> List[Dict[str, Any]]:
+        """Configurations whose experiment was cut off and that no worker has measured or is
+        measuring since: they are run again before the strategy chooses anything new (a
+        configuration cut off MAX_CUT_OFF times is given up)."""
+        taken = self.taken()
+        return [p for k, p in self.cut_off.items() if k not in taken and self.cut_off_times[k] < MAX_CUT_OFF]
 
     # ---- writing trials ---------------------------------------------------------------------
     def claim(self, params: Dict[str, Any], repeat_of: Optional[Measured] = None) -> Optional[optuna.Trial]:

@@ -64,7 +64,8 @@ class Tuner:
         strategy has nothing (more) worth measuring."""
         while True:
             self.ledger.refresh()
-            step = self.strategy.next(self.ledger)
+            again = self.ledger.to_run_again()
+            step = Step(again[0], "run again: its experiment was cut off") if again else self.strategy.next(self.ledger)
             self._flush_notes()
             if step is None:
                 return None
