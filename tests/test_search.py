@@ -254,6 +254,25 @@ def test_the_best_knobs_get_their_own_micro_batch_edge():
     assert land.peak(0, out.best.params["micro_batch"] + 1) - 600 * 2**20 > LIMIT  # and exactly its edge
 
 
+class TiedKnobsOneFitsMore(KnobMemory):
+    """At the default knobs' edge (14), reduce buckets of 2e8 and 5e7 are tied (+10.5% and +10%,
+    within the noise); only the smaller one saves memory, and throughput keeps rising with the
+    micro-batch, so the 5e7 bucket at its own edge (17) is the best by 13%."""
+
+    def throughput(self, params):
+        t = 100 * params["micro_batch"] / (params["micro_batch"] + 40)
+        return t * {200000000: 1.105, 50000000: 1.10}.get(params.get("reduce_bucket_size"), 1.0)
+
+
+def test_knobs_tied_with_the_best_get_their_own_micro_batch_search_too():
+    """The old joint step searched along the micro-batch with the single best knobs only (here the
+    2e8 bucket, ahead by noise), so the 5e7 bucket's larger edge was never measured."""
+    knobs = {0: {"reduce_bucket_size": [500000000, 200000000, 50000000]}}
+    land = TiedKnobsOneFitsMore()
+    out = tuner(make_plan(stages=[0], knobs=knobs, fast=False), land, tuner_type="gridsearch")[0].tune()
+    assert out.best.params == {"stage": 0, "micro_batch": 17, "gas": 1, "reduce_bucket_size": 50000000}
+
+
 class PeaksInside(Landscape):
     """CPU-like: throughput peaks at micro-batch 6, far below the memory edge (14)."""
 

@@ -82,7 +82,7 @@ class SearchConf:
     storage: Optional[str] = None  # Optuna storage URL; None -> sqlite in results_dir
     session: Optional[str] = None  # session name; None -> derived from script, args, ds_config and settings
     sampler: Dict[str, Any] = field(default_factory=dict)  # any Optuna sampler by Hydra _target_ (empty: tuner_type's); overrides tuner_type
-    remeasure: int = 2  # extra measurements of near-tied leaders before the optimum is declared
+    remeasure: int = 1  # extra measurements of near-tied leaders before the optimum is declared
     heartbeat_seconds: int = 30  # workers: a running trial's heartbeat; after 4 missed beats another worker runs it again
 
 
@@ -308,7 +308,7 @@ def validate(cfg: DictConfig) -> None:
     if cfg.search.heartbeat_seconds < 1:
         raise UserError(f"search.heartbeat_seconds={cfg.search.heartbeat_seconds} must be at least 1.", "Give the seconds between a worker's heartbeats (default 30; a trial is run again after 4 missed beats).")
     if cfg.search.remeasure < 0:
-        raise UserError(f"search.remeasure={cfg.search.remeasure} must be 0 or more.", "Give the number of extra measurements of near-tied leaders (default 2).")
+        raise UserError(f"search.remeasure={cfg.search.remeasure} must be 0 or more.", "Give the number of extra measurements of near-tied leaders (default 1).")
     m = cfg.measure
     if m.target_interval <= 0 or m.budget_s < 0 or m.max_warmup_steps < 0 or m.check_every < 1 or not 0 < m.confidence < 1:
         raise UserError(f"The measure settings are out of range: {dict(m)}.", "Use measure.target_interval > 0, budget_s >= 0, max_warmup_steps >= 0, check_every >= 1 and 0 < confidence < 1 (defaults 0.02, 4.5, 10, 2, 0.95).")

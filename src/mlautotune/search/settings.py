@@ -12,7 +12,7 @@ class SearchSettings:
     early_stopping: int = 5
     num_trials: int = 50
     num_tuning_micro_batch_sizes: int = 3
-    remeasure: int = 2
+    remeasure: int = 1
     memory_limit_bytes: Optional[int] = None
     world_size: int = 1
     device: str = "cpu"

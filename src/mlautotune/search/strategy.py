@@ -13,13 +13,14 @@ resumed session, or a second worker on the same study, takes up the search where
    the stage goes on only where the scaled line can still win.
 3. Knobs, most promising stage first: at the stage's best micro-batch, the tuner chooses among the
    untried knob combinations (model_based: the XGBoost cost model with feasibility).
-4. Joint refinement: the stage's best knobs get their own micro-batch search (their own memory
-   edge too), with the default knobs' line as the prior.
+4. Joint refinement: the stage's best knobs, and any knobs tied with them within the noise, get
+   their own micro-batch search (their own memory edge too), with the default knobs' line as the prior.
 5. Noise: a disturbed leader is re-measured before it can win; near-ties (within their intervals)
    are re-measured until they separate or `remeasure` repeats are done.
 
 One global stop rule gates every step: a candidate is measured only if its optimistic value beats
-the incumbent by more than the incumbent's measurement interval. Nothing left -> the search ends.
+the incumbent by more than EXPLORE (half) of a measurement's interval, about one standard error.
+Nothing left -> the search ends.
 """
 
 import math
@@ -42,6 +43,7 @@ KNOB_STARTUP = 4  # knob experiments on that prior in a stage tied for the lead;
 MODEL_SLACK = 0.02  # the cost model's prediction, made optimistic by this much
 MIN_MARGIN = 0.005
 MAX_INTERVAL = 0.10  # a wider interval (a spread with outliers) counts as this: leaders further apart are not near-ties
+EXPLORE = 0.5  # measure a candidate predicted to beat the incumbent by more than this part of a measurement's interval (about one standard error)
 PROFILE_FACTOR = 4  # the second profiling point: this many times the smallest micro-batch
 
 
@@ -89,7 +91,7 @@ class Strategy:
         best = self.best(runs)
         if best is not None and best.disturbed and self.s.remeasure > 0 and not self._repeats_pending(best):
             return Step(best.params, f"{best.result.name} was disturbed: re-measured before it can win", repeat_of=best)
-        target = self.score(best.final_value) * (1 + self._margin(runs, best)) if best else 0.0
+        target = self.score(best.final_value) * (1 + EXPLORE * self._margin(runs, best)) if best else 0.0
         stages = self._spread([s for s in self.plan.stages if self._feasible(s)])
         for stage in stages:
             step = self._micro_batch_step(stage, runs, taken, target)
@@ -307,22 +309,33 @@ class Strategy:
         return float(max(model.predict(untried))) * (1 + MODEL_SLACK)  # the target has the noise margin already
 
     def _joint_step(self, stage: int, runs: List[Measured], taken: set, target: float) -> Optional[Step]:
-        """The stage's best knobs along the micro-batch: its own edge (knobs change memory) from its
-        measured peak, and the default knobs' line as the prior."""
+        """The stage's best knobs along the micro-batch, and those of any knob combination tied with
+        them within the noise: its own edge (knobs change memory) from its measured peak, and the
+        default knobs' line as the prior."""
         best = self._stage_best(runs, stage)
         base = base_knobs(self.plan, stage)
-        if best is None or knobs_of_params(best.params) == base:
+        if best is None:
             return None
-        knobs = knobs_of_params(best.params)
+        contenders = sorted((m for m in runs if m.params["stage"] == stage and m.value is not None and knobs_of_params(m.params) != base
+                             and (m is best or self._tied(best, m))), key=lambda m: -self.score(m.final_value))
+        for knobs in dict.fromkeys(repr(knobs_of_params(m.params)) for m in contenders):
+            lead = next(m for m in contenders if repr(knobs_of_params(m.params)) == knobs)
+            step = self._knob_line_step(stage, lead, runs, taken, target)
+            if step is not None:
+                return step
+        return None
+
+    def _knob_line_step(self, stage: int, lead: Measured, runs: List[Measured], taken: set, target: float) -> Optional[Step]:
+        knobs = knobs_of_params(lead.params)
         own, ooms, _ = self._line(runs, stage, knobs)
-        base_line = self._line(runs, stage, base)[0]
+        base_line = self._line(runs, stage, base_knobs(self.plan, stage))[0]
         below, below_edge = self._reference(runs, stage)
         base_edge = self._stage_edge(stage, base_line)
         reference = base_line + scaled_reference(base_line, stretched(below, below_edge, base_edge), 1.0)
         predicted = None
-        peak = best.result.metrics.get("peak_memory_bytes")
+        peak = lead.result.metrics.get("peak_memory_bytes")
         if self.memory is not None and self.memory.limit and self.memory.per_sample and peak:
-            predicted = best.params["micro_batch"] + int((self.memory.limit - peak) / self.memory.per_sample)
+            predicted = lead.params["micro_batch"] + int((self.memory.limit - peak) / self.memory.per_sample)
         edge = self._edge(own, ooms, stage, predicted) if predicted is not None else None
         return self._line_step(stage, knobs, own, ooms, stretched(reference, base_edge, self._line_edge(own, edge)), edge, taken, target, 1.0)
 
