@@ -381,6 +381,27 @@ def test_interval_rel_decides_near_ties_and_a_disturbed_leader_is_remeasured():
     assert len(out.best.repeats) == 1
 
 
+def test_a_disturbed_low_measurement_is_re_measured_before_it_closes_its_line():
+    """Another process took the cores while micro-batches 4 and 6 were measured: their first windows
+    read a twentieth of the truth, flagged disturbed. Taken at face value they ended the search at
+    micro-batch 1 (seen in a side-by-side run); each is measured again and its re-measurement counts."""
+    class Shaken(Landscape):
+        def __call__(self, exp):
+            first = not any(c == exp.params for c in self.calls)
+            r = super().__call__(exp)
+            if r.status == "ok":
+                r.metrics["interval_rel"] = 0.01
+                r.metrics["disturbed"] = first and exp.params["micro_batch"] in (4, 6)
+                if r.metrics["disturbed"]:
+                    r.metrics["throughput"] /= 20
+            return r
+
+    land = Shaken()
+    out = tuner(make_plan(stages=[0], mbs=MicroBatchRule("list", (1, 4, 6))), land, tuner_type="gridsearch", remeasure=1)[0].tune()
+    assert out.best.params["micro_batch"] == 6 and out.best.final_value == pytest.approx(land.throughput(out.best.params))
+    assert sum(c["micro_batch"] == 4 for c in land.calls) == 2
+
+
 def test_every_launched_trial_has_its_plain_params_in_the_study(tmp_path):
     knobs = {1: {"reduce_bucket_size": [500000000, 50000000], "overlap_comm": [True, False]}, 3: {"reduce_bucket_size": [500000000, 50000000]}}
     t, study = tuner(make_plan(stages=[1, 3], knobs=knobs, fast=False), Landscape(), f"sqlite:///{tmp_path / 'o.db'}", tuner_type="random")

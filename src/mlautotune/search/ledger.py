@@ -40,16 +40,21 @@ class Measured:
         return self.result.status == "ok"
 
     @property
-    def final_value(self) -> Optional[float]:
-        """The median over all measurements of this configuration."""
+    def values(self) -> List[float]:
+        """Its measurements: a first one whose window was disturbed is replaced by its re-measurements."""
         if self.value is None:
-            return None
-        return statistics.median([self.value, *self.repeats])
+            return []
+        return list(self.repeats) if self.repeats and self.result.metrics.get("disturbed") else [self.value, *self.repeats]
+
+    @property
+    def final_value(self) -> Optional[float]:
+        """The median over the measurements of this configuration."""
+        return statistics.median(self.values) if self.value is not None else None
 
     @property
     def spread(self) -> float:
         """Relative spread: over repeated measurements if there are any, else of the step times."""
-        values = [self.value, *self.repeats] if self.value is not None else []
+        values = self.values
         if len(values) > 1:
             return (max(values) - min(values)) / statistics.median(values)
         return float(self.result.metrics.get("step_time_spread", 0.0))

@@ -15,7 +15,8 @@ resumed session, or a second worker on the same study, takes up the search where
    untried knob combinations (model_based: the XGBoost cost model with feasibility).
 4. Joint refinement: the stage's best knobs, and any knobs tied with them within the noise, get
    their own micro-batch search (their own memory edge too), with the default knobs' line as the prior.
-5. Noise: a disturbed leader is re-measured before it can win; near-ties (within their intervals)
+5. Noise: a disturbed measurement is re-measured before the search builds on it (the leader
+   first), and its re-measurement replaces it; near-ties (within their intervals)
    are re-measured until they separate or `remeasure` repeats are done.
 
 One global stop rule gates every step: a candidate is measured only if its optimistic value beats
@@ -89,8 +90,10 @@ class Strategy:
         if step is not None or not any(m.ok for m in runs):
             return step
         best = self.best(runs)
-        if best is not None and best.disturbed and self.s.remeasure > 0 and not self._repeats_pending(best):
-            return Step(best.params, f"{best.result.name} was disturbed: re-measured before it can win", repeat_of=best)
+        disturbed = [m for m in runs if m.value is not None and m.disturbed and not self._repeats_pending(m)]
+        if disturbed and self.s.remeasure > 0:  # the leader first; a low disturbed value would close its line
+            m = max(disturbed, key=lambda m: self.score(m.final_value))
+            return Step(m.params, f"{m.result.name} was disturbed: re-measured before the search builds on it", repeat_of=m)
         target = self.score(best.final_value) * (1 + EXPLORE * self._margin(runs, best)) if best else 0.0
         stages = self._spread([s for s in self.plan.stages if self._feasible(s)])
         for stage in stages:
