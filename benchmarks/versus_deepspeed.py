@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from mlautotune.experiment import Experiment, Resources, run_experiment
+from mlautotune.lifeline import SHM_DIR as SHM, release_shared_memory
 
 VENV_BIN = Path(sys.executable).parent
 SCRIPT = Path(__file__).with_name("gpt_any_config.py")  # gpt.py, also reading the base64 config DeepSpeed's autotuner passes
@@ -135,10 +136,14 @@ def run_deepspeed(work: Path, args: List[str], cap: int, timeout: float) -> Dict
     work.mkdir(parents=True, exist_ok=True)
     (work / "ds.json").write_text(json.dumps(ds_config(cap), indent=1))
     env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}", **mlflow_run(work)}
-    cmd = [str(VENV_BIN / "deepspeed"), "--autotuning", "tune", "--num_gpus", "1", "--master_port", str(free_port_range()), str(SCRIPT), "--deepspeed_config", "ds.json", *args]
+    base = free_port_range()
+    cmd = [str(VENV_BIN / "deepspeed"), "--autotuning", "tune", "--num_gpus", "1", "--master_port", str(base), str(SCRIPT), "--deepspeed_config", "ds.json", *args]
     out = run_tool(cmd, work, env, timeout)
+    leaked = sum(1 for p in range(base, base + 64) for _ in SHM.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{p}_*"))
+    for p in range(base, base + 64):  # its experiments never unlink their CPU all-reduce buffers (66 MiB each)
+        release_shared_memory(p)
     results = work / "autotuning_results"
-    return {**out, "experiments": len(experiments_in(results)), "pick": pick(results)}
+    return {**out, "experiments": len(experiments_in(results)), "pick": pick(results), "shm_buffers_left": leaked}
 
 
 def run_mlautotune(work: Path, args: List[str], cap: int, memory_limit: Optional[str], timeout: float) -> Dict[str, Any]:

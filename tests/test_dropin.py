@@ -17,6 +17,7 @@ from hydra import compose, initialize_config_dir
 from test_bad_inputs import run_cli
 
 from mlautotune.config import register_configs, settings
+from mlautotune.lifeline import release_shared_memory
 from mlautotune.search import first_experiments, micro_batch_cap
 from mlautotune.session import is_hf_trainer
 from mlautotune.space import build_plan, experiment_config
@@ -225,7 +226,11 @@ def test_hf_trainer_script_tunes_with_auto_and_no_arg_mappings_and_its_optimal_c
     cmd, measured = optimal_and_measured_commands(results)
     assert cmd == measured and "--per_device_train_batch_size" in cmd
     env = {**SRC_ENV, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    run = subprocess.run(shlex.split(cmd), cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
+    try:
+        run = subprocess.run(shlex.split(cmd), cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
+    finally:  # the user's own run, without mlautotune: DeepSpeed leaves its CPU all-reduce buffers in /dev/shm
+        argv = shlex.split(cmd)
+        release_shared_memory(argv[argv.index("--master_port") + 1] if "--master_port" in argv else 29500)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "train_runtime" in run.stdout + run.stderr
 
