@@ -1,12 +1,13 @@
 """How reproducible one experiment's throughput is: the old fixed window against the adaptive one.
 
-    python benchmarks/noise.py [--repeats 5] [--busy] [--stage 1] [--mbs 8] [--json OUT]
+    python benchmarks/noise.py [--repeats 5] [--busy] [--methods fixed,adaptive,pinned] [--stage 1] [--mbs 8] [--json OUT]
 
 Measures one configuration of the bundled workload and config (2 CPU ranks, default ZeRO-1,
 micro-batch 8, torch's Adam) `--repeats` times through the product's run_experiment,
-interleaving two measurements:
+interleaving the measurements of --methods:
   fixed     the window start_profile_step..end_profile_step (3..5) as before, torch's default threads;
-  adaptive  conf's measure settings (warm-up, target interval, budget) and cores / ranks threads.
+  adaptive  conf's measure settings (warm-up, target interval, budget) and cores / ranks threads;
+  pinned    adaptive, and each rank pinned to its own share of the cores (what a session does by default).
 With --busy, every repeat is measured twice more with a CPU-bound process beside the experiment,
 and each busy repeat is checked against the quiet median: within 5% of it, or flagged disturbed.
 Prints, per method and condition: the throughputs, their CV, the median wall seconds per
@@ -40,11 +41,11 @@ def experiment(method: str, stage: int, mbs: int, steps: int) -> Experiment:
     ds_config = {k: v for k, v in read_json(BUNDLED_CONFIG).items() if k != "autotuning"}
     ds_config.update(train_micro_batch_size_per_gpu=mbs, gradient_accumulation_steps=1, zero_optimization={"stage": stage})
     ds_config["optimizer"]["params"]["torch_adam"] = True  # torch's Adam: no JIT-built op whose (re)build would enter the wall time
-    adaptive = method == "adaptive"
+    adaptive = method != "fixed"
     return Experiment(name=f"{method}_z{stage}_mbs{mbs}", ds_config=ds_config, script=str(GPT_SCRIPT), script_args=["--steps", str(steps)],
                       resources=Resources(num_gpus=RANKS, master_port=MASTER_PORT), params={"stage": stage, "micro_batch": mbs, "gas": 1}, timeout_s=600,
                       measure={**asdict(MeasureConf()), "adaptive": adaptive},
-                      env=thread_env("cpu", RANKS, []) if adaptive else {})
+                      env=thread_env("cpu", RANKS, [], pin=method == "pinned") if adaptive else {})
 
 
 def measure_once(exp: Experiment, work: Path, busy: bool) -> dict:
@@ -101,11 +102,12 @@ def main() -> None:
     p.add_argument("--stage", type=int, default=1)
     p.add_argument("--mbs", type=int, default=8)
     p.add_argument("--steps", type=int, default=200, help="the script's optimizer steps (the adaptive window stops the ranks earlier)")
+    p.add_argument("--methods", default="fixed,adaptive,pinned", help="which of fixed, adaptive, pinned (adaptive, each rank on its own cores)")
     p.add_argument("--json", metavar="OUT", help="write the rows and the summary as JSON")
     args = p.parse_args()
 
     conditions = [False, True] if args.busy else [False]
-    methods = ("fixed", "adaptive")
+    methods = tuple(args.methods.split(","))
     rows = {(m, b): [] for m in methods for b in conditions}
     load = os.getloadavg()  # other work on the machine: a quiet one is near 0
     with tempfile.TemporaryDirectory(prefix="mlautotune-noise-") as work:
@@ -121,7 +123,7 @@ def main() -> None:
         summary[method] = {"quiet": quiet}
         if args.busy:
             summary[method]["busy"] = summarise(rows[method, True], quiet["median_throughput"])
-    added = summary["adaptive"]["quiet"]["median_wall_s"] - summary["fixed"]["quiet"]["median_wall_s"]
+    added = {m: summary[m]["quiet"]["median_wall_s"] - summary["fixed"]["quiet"]["median_wall_s"] for m in methods if "fixed" in methods}
 
     print(f"\nZeRO-{args.stage}, micro-batch {args.mbs}, {RANKS} CPU ranks, {args.repeats} repeats per method and condition")
     print(f"load average (1 min) before / after: {load[0]:.2f} / {os.getloadavg()[0]:.2f}")
@@ -134,8 +136,9 @@ def main() -> None:
             print(f"{method:<9} {cond:<9} {s['median_throughput'] or 0:16.2f} {100 * (s['cv'] or 0):5.1f}% {100 * lo:5.1f}-{100 * hi:4.1f}% "
                   f"{100 * (s['median_interval_rel'] or 0):8.1f}% {s['median_wall_s']:7.1f} {s['median_cpu_wait'] or 0:8.2f} "
                   f"{s['disturbed']:>5}/{s['ok']:<3}  {within}")
-    print(f"added seconds per experiment (adaptive - fixed, quiet medians): {added:+.1f} s "
-          f"({100 * added / summary['fixed']['quiet']['median_wall_s']:+.0f}%)")
+    for m, a in added.items():
+        if m != "fixed":
+            print(f"added seconds per experiment ({m} - fixed, quiet medians): {a:+.1f} s ({100 * a / summary['fixed']['quiet']['median_wall_s']:+.0f}%)")
     if args.json:
         out = {"args": vars(args), "measure": asdict(MeasureConf()), "summary": summary, "added_s": added, "load_before_after": [load[0], os.getloadavg()[0]],
                "rows": {f"{m}/{'busy' if b else 'quiet'}": r for (m, b), r in rows.items()}}

@@ -19,7 +19,7 @@ from mlautotune.experiment import run_experiment
 from mlautotune.probe import Probe
 
 SETTINGS = {"target_interval": 0.02, "budget_s": 3.0, "max_warmup_steps": 10, "warmup_tolerance": 0.1, "confidence": 0.95,
-            "check_every": 2, "adaptive": True, "max_cpu_wait": 0.05}
+            "check_every": 2, "adaptive": True, "max_cpu_wait": 0.05, "pin_cpu_ranks": True}
 
 
 # ---------- the statistics ----------
@@ -194,6 +194,28 @@ def test_threads_per_cpu_rank_divide_the_cores_unless_the_user_decided():
     assert measure.thread_env("cuda", 2, [], environ={}) == {}
 
 
+def test_pinning_gives_each_local_rank_its_own_share_of_the_tuners_cores():
+    share = str(max(1, measure.usable_cores() // 2))
+    assert measure.thread_env("cpu", 2, [], pin=True, environ={}) == {"OMP_NUM_THREADS": share, measure.PIN_VARIABLE: share}
+    assert measure.thread_env("cpu", 2, ["--bind_cores_to_rank"], pin=True, environ={}) == {}  # DeepSpeed binds them
+    assert measure.thread_env("cuda", 2, [], pin=True, environ={}) == {}
+    # the tuner's own cores (taskset, a cpuset), in order, split as DeepSpeed's --bind_cores_to_rank splits them
+    assert measure.rank_cores({9, 4, 6, 2}, 0, 2) == [2, 4] and measure.rank_cores({9, 4, 6, 2}, 1, 2) == [6, 9]
+    assert measure.rank_cores([0, 1], 1, 1) == [1]
+    assert measure.rank_cores([0, 1], 3, 1) == [0, 1]  # more ranks than cores: no core of its own, none taken away
+    assert measure.pin_rank(environ={}) is None  # not asked: nothing pinned
+
+
+def test_pin_rank_pins_the_calling_process_to_its_share():
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no CPU affinity on this OS")
+    cores = sorted(os.sched_getaffinity(0))
+    code = "import json, os; from mlautotune import measure; print(json.dumps([measure.pin_rank(), sorted(os.sched_getaffinity(0))]))"
+    env = {**os.environ, measure.PIN_VARIABLE: "1", "LOCAL_RANK": str(len(cores) - 1)}
+    pinned, affinity = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout)
+    assert pinned == affinity == [cores[-1]]  # the last local rank, one core each: the last core
+
+
 # ---------- the probe synchronises the accelerator inside the window only ----------
 
 def test_probe_synchronises_the_real_accelerator_at_step_boundaries_in_the_window(tmp_path, monkeypatch):
@@ -244,7 +266,7 @@ def timed_experiment(tiny_experiment, sleep, jitter, steps, **measure_settings):
     exp = tiny_experiment(script=TIMED, script_args=["--sleep", str(sleep), "--jitter", str(jitter), "--steps", str(steps), *TINY],
                           start_profile_step=3, end_profile_step=5, timeout_s=600.0)
     exp.measure.update(measure_settings)
-    exp.env.update(measure.thread_env("cpu", 2, []))  # as a session sets it
+    exp.env.update(measure.thread_env("cpu", 2, [], pin=True))  # as a session sets it
     exp.ds_config["optimizer"]["params"]["torch_adam"] = True  # no JIT-built op: other worktrees rebuild it on a shared machine
     exp.resources.master_port = random.randrange(30000, 60000)  # away from other sessions' 29500 on a shared machine
     return exp
@@ -267,7 +289,9 @@ def test_noisy_steps_grow_the_window_until_the_budget(tiny_experiment, tmp_path,
     wait, shift = m["thread_wait_share"], m["step_time_shift"]
     cost = max(wait if wait > exp.measure["max_cpu_wait"] else 0.0, shift if shift > exp.measure["target_interval"] else 0.0)
     assert m["interval_rel"] == pytest.approx(max(steps_interval, cost)) and m["disturbed"] == (cost > 0)
-    assert m["threads_per_rank"] >= 1
+    assert m["threads_per_rank"] >= 1 and m["cores_pinned"] is True
+    ranks = [json.loads((Path(result.exp_dir) / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(r["cores"] for r in ranks) and (measure.usable_cores() < 2 or not set(ranks[0]["cores"]) & set(ranks[1]["cores"]))
     assert leftovers(result.exp_dir) == []
 
 

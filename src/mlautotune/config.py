@@ -98,6 +98,7 @@ class MeasureConf:
     confidence: float = 0.95
     max_cpu_wait: float = 0.10  # a rank's training thread waiting for a CPU longer than this share of the window: disturbed (Linux)
     check_every: int = 2  # optimizer steps between the ranks' collective stop checks
+    pin_cpu_ranks: bool = True  # CPU ranks: each on its own share of the cores (a worker only when started on its own cores)
 
 
 @dataclass

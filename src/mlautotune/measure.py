@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 # What metrics.json says about its measurement window (beyond throughput, latency, FLOPS_per_gpu), one list for
 # every reader: the console, the child runs.
 WINDOW_KEYS = ("interval_rel", "target_reached", "disturbed", "step_time_shift", "cpu_wait_share", "thread_wait_share",
-               "warmup_steps", "measured_steps", "measure_seconds", "threads_per_rank")
+               "warmup_steps", "measured_steps", "measure_seconds", "threads_per_rank", "cores_pinned")
 
 
 @dataclass(frozen=True)
@@ -152,10 +152,11 @@ def cpu_wait_seconds(this_thread: bool = False) -> Optional[float]:
     return total / 1e9
 
 
-# ---- threads per CPU rank ----------------------------------------------------------------------
+# ---- threads and cores per CPU rank -------------------------------------------------------------
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS",)
 BIND_FLAG = "--bind_cores_to_rank"
+PIN_VARIABLE = "MLAUTOTUNE_CORES_PER_RANK"  # set by the tuner, read by the probe in each CPU rank
 
 
 def usable_cores() -> int:
@@ -166,8 +167,10 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def thread_env(device: str, local_ranks: int, launcher_args: List[str], environ: Optional[Dict[str, str]] = None) -> Dict[str, str]:
-    """OMP_NUM_THREADS = cores / local ranks for CPU ranks (torch takes its intra-op threads from it).
+def thread_env(device: str, local_ranks: int, launcher_args: List[str], pin: bool = False,
+               environ: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """OMP_NUM_THREADS = cores / local ranks for CPU ranks (torch takes its intra-op threads from it), and
+    with `pin`, the share of cores each rank is pinned to (`rank_cores`).
 
     Nothing when the ranks run on an accelerator, when the user set OMP_NUM_THREADS, or when
     DeepSpeed's --bind_cores_to_rank divides the cores itself.
@@ -175,4 +178,25 @@ def thread_env(device: str, local_ranks: int, launcher_args: List[str], environ:
     environ = os.environ if environ is None else environ
     if device != "cpu" or any(v in environ for v in THREAD_VARIABLES) or BIND_FLAG in launcher_args:
         return {}
-    return {"OMP_NUM_THREADS": str(max(1, usable_cores() // max(1, local_ranks)))}
+    per_rank = str(max(1, usable_cores() // max(1, local_ranks)))
+    return {"OMP_NUM_THREADS": per_rank, **({PIN_VARIABLE: per_rank} if pin else {})}
+
+
+def rank_cores(available: Sequence[int], local_rank: int, per_rank: int) -> List[int]:
+    """The cores of local rank `local_rank`: its consecutive share of the cores the tuner may use, as
+    DeepSpeed's --bind_cores_to_rank divides them (all of them when there are fewer than the ranks)."""
+    cores = sorted(available)
+    return cores[local_rank * per_rank:(local_rank + 1) * per_rank] or cores
+
+
+def pin_rank(environ: Optional[Dict[str, str]] = None) -> Optional[List[int]]:
+    """Pins this CPU rank to its share of cores when the tuner asked for it (PIN_VARIABLE); called before
+    torch starts its threads, which inherit the affinity. A rank that keeps its cores has no other
+    rank's threads migrating onto them mid-window. The cores pinned, or None."""
+    environ = os.environ if environ is None else environ
+    per_rank = int(environ.get(PIN_VARIABLE) or 0)
+    if per_rank < 1 or not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = rank_cores(os.sched_getaffinity(0), int(environ.get("LOCAL_RANK") or 0), per_rank)
+    os.sched_setaffinity(0, cores)
+    return cores

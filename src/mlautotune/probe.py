@@ -80,6 +80,7 @@ class Probe:
         self.metrics = None  # rank 0: what metrics.json holds
         self.fwd_flops = None  # one micro-batch forward, from DeepSpeed's flops profiler
         self.peak = 0
+        self.cores = None  # the CPU cores this rank is pinned to (measure.pin_rank), or None
         self.timeline = {"probe_start": PROBE_START, "launch": settings.get("launch_time")}
         self.lock = threading.Lock()
 
@@ -88,7 +89,7 @@ class Probe:
 
     def rank_record(self, status: str, **extra) -> dict:
         return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "status": status, "peak_memory_bytes": self.peak,
-                "memory_limit_bytes": self.limit, "optimizer_steps": len(self.ends),
+                "memory_limit_bytes": self.limit, "optimizer_steps": len(self.ends), "cores": self.cores,
                 "timeline": dict(self.timeline), **extra}
 
     def write_rank_record(self, status: str, **extra) -> None:
@@ -183,7 +184,7 @@ class Probe:
         waits = (measure.cpu_wait_seconds(), measure.cpu_wait_seconds(this_thread=True))
         share = [(now - then) / elapsed if None not in (now, then) and elapsed > 0 else 0.0 for now, then in zip(waits, self.wait_at_open)]
         mine = {"step_times": self.step_times(n), "elapsed": elapsed, "peak": self.peak, "fwd_flops": self.fwd_flops or 0,
-                "threads": torch.get_num_threads(), "cpu_wait": share[0], "thread_wait": share[1]}
+                "threads": torch.get_num_threads(), "pinned": self.cores is not None, "cpu_wait": share[0], "thread_wait": share[1]}
         ranks = self.gather(mine)
         steps = [max(per_rank) for per_rank in zip(*(r["step_times"] for r in ranks))]
         elapsed = max(r["elapsed"] for r in ranks)
@@ -265,6 +266,7 @@ class Probe:
             "measure_seconds": elapsed,
             "adaptive": bool(self.measure["adaptive"]),
             "threads_per_rank": max(r["threads"] for r in ranks),
+            "cores_pinned": all(r["pinned"] for r in ranks),
             "train_batch_size": tbs,
             "micro_batch": mbs,
             "gas": gas,
@@ -324,8 +326,10 @@ def is_accelerator_oom(exc: BaseException) -> bool:
 def main(argv) -> None:
     local_rank = [argv.pop(0)] if argv and argv[0].startswith("--local_rank") else []
     exp_dir, script, script_args = argv[0], argv[1], argv[2:]
+    cores = measure.pin_rank()  # before torch is imported: the threads it starts inherit the affinity
     with open(os.path.join(exp_dir, SETTINGS_FILE)) as f:
         probe = Probe(exp_dir, json.load(f))
+    probe.cores = cores
 
     import deepspeed  # noqa: F401  (imported here so "imports" is timed apart from the script)
     from deepspeed.accelerator import get_accelerator

@@ -21,7 +21,7 @@ from mlautotune import config as configlib
 from mlautotune.errors import UserError
 from mlautotune.experiment import Experiment, Resources, Result, run_experiment, world_size
 from mlautotune.files import atomic_write_json, inside, read_json, safe_name
-from mlautotune.measure import thread_env
+from mlautotune.measure import thread_env, usable_cores
 from mlautotune.redact import remember_secrets
 from mlautotune.search import SearchSettings
 from mlautotune.space import TuningPlan, build_plan, experiment_config, experiment_name
@@ -86,6 +86,12 @@ class Session:
             alone=not self.worker,
         )
 
+    @property
+    def pin_cpu_ranks(self) -> bool:
+        """CPU ranks get cores of their own; several workers on one machine would all take the first
+        ones, so a worker pins only when it was started on a part of the machine (taskset, a cpuset)."""
+        return bool(self.cfg.measure.pin_cpu_ranks) and (not self.worker or usable_cores() < (os.cpu_count() or 1))
+
     def make_experiment(self, params: Dict[str, Any]) -> Experiment:
         stage, mbs, gas = params["stage"], params["micro_batch"], params["gas"]
         knobs = {k: v for k, v in params.items() if k not in ("stage", "micro_batch", "gas")}
@@ -101,7 +107,7 @@ class Session:
             end_profile_step=self.at.end_profile_step,
             memory_limit_bytes=self.memory_limit_bytes,
             timeout_s=self.at.experiment_timeout,
-            env=thread_env(self.device, local_ranks(self.resources, self.world_size), list(self.resources.launcher_args)),
+            env=thread_env(self.device, local_ranks(self.resources, self.world_size), list(self.resources.launcher_args), pin=self.pin_cpu_ranks),
             measure=OmegaConf.to_container(self.cfg.measure, resolve=True),
         )
 
