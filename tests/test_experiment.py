@@ -66,6 +66,8 @@ def test_launch_command_goes_through_the_deepspeed_launcher_with_the_probe(tiny_
     assert cmd[cmd.index("--num_gpus") + 1] == "2" and cmd[cmd.index("--launcher") + 1] == "openmpi"
     assert "--bind_cores_to_rank" in cmd and "--hostfile" not in cmd and "--include" not in cmd
     assert cmd[-8:] == ["--master_port", "29611", "--module", "mlautotune.probe", str(tmp_path), exp.script, "--a", "1"]
+    exp.resources = Resources(num_gpus=2)  # DeepSpeed's default launcher (pdsh) is not spelt out, in the user's command either
+    assert "--launcher" not in launch_command(exp, tmp_path, 29611, []) and "--launcher" not in launch_command(exp, tmp_path, 0, [], probed=False)
 
 
 def test_reserve_port_comes_from_the_os_and_is_never_handed_out_twice():

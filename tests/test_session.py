@@ -88,6 +88,8 @@ def test_session_is_tracked_parent_and_children(tmp_path):
     assert parent.data.tags["best_experiment"] == best_child.data.tags["experiment"]
     assert parent.data.metrics["best_throughput"] == pytest.approx(best_child.data.metrics["throughput"])
     assert parent.data.metrics["z0_best_throughput"] == pytest.approx(best_child.data.metrics["throughput"])
+    # the best's 95% interval (narrowed by any re-measurement), not the step times' min-max spread
+    assert 0 < parent.data.metrics["best_interval_rel"] <= best_child.data.metrics["interval_rel"] + 1e-12
     assert parent.data.metrics["num_oom"] == 1 and parent.data.metrics["num_failed"] == 1 and parent.data.metrics["num_ok"] == 2
     assert parent.info.status == "FINISHED" and parent.data.tags["status"] == "complete"
     assert "hardware.accelerator" in parent.data.params and parent.data.params["autotuning.tuner_type"] == "gridsearch"
@@ -97,6 +99,7 @@ def test_session_is_tracked_parent_and_children(tmp_path):
     optimal = json.loads((results / "ds_config_optimal.json").read_text())
     assert optimal["train_micro_batch_size_per_gpu"] == int(best_child.data.params["micro_batch_size"])
     assert optimal["mlautotune"]["status"] == "complete" and "autotuning" not in optimal
+    assert optimal["mlautotune"]["interval_rel"] == pytest.approx(parent.data.metrics["best_interval_rel"])
     summary = (results / "summary.txt").read_text()
     assert "| global" in summary and best_child.data.tags["experiment"] in summary
     for png in ("throughput_vs_micro_batch.png", "history.png", "best_so_far.png"):

@@ -169,8 +169,9 @@ def launch_command(exp: Experiment, exp_dir: Path, port: int, args: List[str], p
     """The DeepSpeed launcher command; `probed=False` gives the plain command a user would type for this config."""
     r = exp.resources
     cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner"] if probed else ["deepspeed"]
+    launcher = r.launcher if r.launcher != Resources.launcher else None  # DeepSpeed's default (pdsh) goes without saying
     for flag, value in (("--hostfile", r.hostfile), ("--num_nodes", r.num_nodes), ("--num_gpus", r.num_gpus),
-                        ("--include", r.include), ("--exclude", r.exclude), ("--launcher", r.launcher)):
+                        ("--include", r.include), ("--exclude", r.exclude), ("--launcher", launcher)):
         if value not in (None, ""):
             cmd += [flag, str(value)]
     cmd += list(r.launcher_args)  # further DeepSpeed launcher flags, e.g. --no_ssh, --bind_cores_to_rank

@@ -45,7 +45,7 @@ def session_metrics(outcome: Outcome, metric: str, wall_time_s: float) -> Dict[s
         out[f"z{s}_best_{metric}"] = m.final_value
     if outcome.best is not None:
         out[f"best_{metric}"] = outcome.best.final_value
-        out["best_spread"] = outcome.best.spread
+        out["best_interval_rel"] = outcome.best.interval
     counts = Counter(m.result.status for m in outcome.measured)
     for status in STATUSES:
         out[f"num_{status}"] = counts.get(status, 0)
@@ -129,7 +129,7 @@ def write_reports(
     lines.append(f"Tuning completed in {datetime.timedelta(seconds=round(wall_time_s, 3))}. Total number of experiments: {len(outcome.measured)}.")
     if best is not None:
         runs = 1 + len(best.repeats)
-        lines.append(f"Optimum: {best.result.name}  {metric}={best.final_value:.6g} (spread {best.spread:.1%} over {runs} measurement{'s' if runs > 1 else ''})")
+        lines.append(f"Optimum: {best.result.name}  {metric}={best.final_value:.6g} (+-{best.interval:.1%}, 95% interval, over {runs} measurement{'s' if runs > 1 else ''})")
     lines += [f"Note: {n}" for n in outcome.notes]
     failures = [m for m in outcome.measured if m.result.status != "ok"]
     if failures:
@@ -139,7 +139,7 @@ def write_reports(
     atomic_write_text(results_dir / "summary.txt", "\n".join(lines) + "\n")
 
     if best is not None and optimal_ds_config is not None and status != "failed":
-        provenance = {"status": status, "session": session, "experiment": best.result.name, "metric": metric, "value": best.final_value, "spread": best.spread}
+        provenance = {"status": status, "session": session, "experiment": best.result.name, "metric": metric, "value": best.final_value, "interval_rel": best.interval}
         atomic_write_json(results_dir / "ds_config_optimal.json", {**optimal_ds_config, PROVENANCE_KEY: provenance})
         atomic_write_text(results_dir / "cmd_optimal.txt", (optimal_cmd or "") + "\n")
     else:

@@ -52,14 +52,6 @@ class Measured:
         return statistics.median(self.values) if self.value is not None else None
 
     @property
-    def spread(self) -> float:
-        """Relative spread: over repeated measurements if there are any, else of the step times."""
-        values = self.values
-        if len(values) > 1:
-            return (max(values) - min(values)) / statistics.median(values)
-        return float(self.result.metrics.get("step_time_spread", 0.0))
-
-    @property
     def single_interval(self) -> float:
         """Relative half-width of the confidence interval of one measurement: the probe's
         `interval_rel`, else half the step-time spread (a full relative range)."""
