@@ -123,7 +123,8 @@ def main() -> None:
         summary[method] = {"quiet": quiet}
         if args.busy:
             summary[method]["busy"] = summarise(rows[method, True], quiet["median_throughput"])
-    added = {m: summary[m]["quiet"]["median_wall_s"] - summary["fixed"]["quiet"]["median_wall_s"] for m in methods if "fixed" in methods}
+    fixed_wall = summary["fixed"]["quiet"]["median_wall_s"] if "fixed" in methods else None
+    added = {m: summary[m]["quiet"]["median_wall_s"] - fixed_wall for m in methods if m != "fixed"} if fixed_wall else {}
 
     print(f"\nZeRO-{args.stage}, micro-batch {args.mbs}, {RANKS} CPU ranks, {args.repeats} repeats per method and condition")
     print(f"load average (1 min) before / after: {load[0]:.2f} / {os.getloadavg()[0]:.2f}")
@@ -137,8 +138,7 @@ def main() -> None:
                   f"{100 * (s['median_interval_rel'] or 0):8.1f}% {s['median_wall_s']:7.1f} {s['median_cpu_wait'] or 0:8.2f} "
                   f"{s['disturbed']:>5}/{s['ok']:<3}  {within}")
     for m, a in added.items():
-        if m != "fixed":
-            print(f"added seconds per experiment ({m} - fixed, quiet medians): {a:+.1f} s ({100 * a / summary['fixed']['quiet']['median_wall_s']:+.0f}%)")
+        print(f"added seconds per experiment ({m} - fixed, quiet medians): {a:+.1f} s ({100 * a / fixed_wall:+.0f}%)")
     if args.json:
         out = {"args": vars(args), "measure": asdict(MeasureConf()), "summary": summary, "added_s": added, "load_before_after": [load[0], os.getloadavg()[0]],
                "rows": {f"{m}/{'busy' if b else 'quiet'}": r for (m, b), r in rows.items()}}

@@ -202,6 +202,7 @@ def test_pinning_gives_each_local_rank_its_own_share_of_the_tuners_cores():
     assert measure.thread_env("cpu", 2, [], pin=True, environ={}) == {"OMP_NUM_THREADS": share, measure.PIN_VARIABLE: share}
     assert measure.thread_env("cpu", 2, ["--bind_cores_to_rank"], pin=True, environ={}) == {}  # DeepSpeed binds them
     assert measure.thread_env("cuda", 2, [], pin=True, environ={}) == {}
+    assert measure.thread_env("cpu", 4 * measure.usable_cores(), [], pin=True, environ={}) == {"OMP_NUM_THREADS": "1"}  # more ranks than cores
     # the tuner's own cores (taskset, a cpuset), in order, split as DeepSpeed's --bind_cores_to_rank splits them
     assert measure.rank_cores({9, 4, 6, 2}, 0, 2) == [2, 4] and measure.rank_cores({9, 4, 6, 2}, 1, 2) == [6, 9]
     assert measure.rank_cores([0, 1], 1, 1) == [1]

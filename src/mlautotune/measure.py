@@ -1,4 +1,4 @@
-"""The statistics of the adaptive measurement window, and the threads a CPU rank gets. Pure Python.
+"""The statistics of the adaptive measurement window, and the threads and cores a CPU rank gets. Pure Python.
 
 The probe in every rank collects the step times (slowest rank per step) from start_profile_step on
 and asks `decide` every few steps whether to stop: leading steps that are still settling are
@@ -170,7 +170,7 @@ def usable_cores() -> int:
 def thread_env(device: str, local_ranks: int, launcher_args: List[str], pin: bool = False,
                environ: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     """OMP_NUM_THREADS = cores / local ranks for CPU ranks (torch takes its intra-op threads from it), and
-    with `pin`, the share of cores each rank is pinned to (`rank_cores`).
+    with `pin`, the share of cores each rank is pinned to (`rank_cores`) when every rank can have one.
 
     Nothing when the ranks run on an accelerator, when the user set OMP_NUM_THREADS, or when
     DeepSpeed's --bind_cores_to_rank divides the cores itself.
@@ -178,7 +178,9 @@ def thread_env(device: str, local_ranks: int, launcher_args: List[str], pin: boo
     environ = os.environ if environ is None else environ
     if device != "cpu" or any(v in environ for v in THREAD_VARIABLES) or BIND_FLAG in launcher_args:
         return {}
-    per_rank = str(max(1, usable_cores() // max(1, local_ranks)))
+    cores = usable_cores()
+    per_rank = str(max(1, cores // max(1, local_ranks)))
+    pin = pin and cores >= local_ranks  # fewer cores than ranks: no share for some, so none is pinned (DeepSpeed's bind refuses it)
     return {"OMP_NUM_THREADS": per_rank, **({PIN_VARIABLE: per_rank} if pin else {})}
 
 

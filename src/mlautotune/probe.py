@@ -326,10 +326,9 @@ def is_accelerator_oom(exc: BaseException) -> bool:
 def main(argv) -> None:
     local_rank = [argv.pop(0)] if argv and argv[0].startswith("--local_rank") else []
     exp_dir, script, script_args = argv[0], argv[1], argv[2:]
-    cores = measure.pin_rank()  # before torch is imported: the threads it starts inherit the affinity
     with open(os.path.join(exp_dir, SETTINGS_FILE)) as f:
         probe = Probe(exp_dir, json.load(f))
-    probe.cores = cores
+    probe.cores = measure.pin_rank()  # before torch is imported: the threads it starts inherit the affinity
 
     import deepspeed  # noqa: F401  (imported here so "imports" is timed apart from the script)
     from deepspeed.accelerator import get_accelerator
