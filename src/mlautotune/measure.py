@@ -4,7 +4,8 @@ The probe in every rank collects the step times (slowest rank per step) from sta
 and asks `decide` every few steps whether to stop: leading steps that are still settling are
 skipped as warm-up, and the window ends once the median step time is known to within the target
 relative confidence interval, or once the measuring budget is spent. The interval is
-distribution-free: order statistics of the sample, with ranks from the binomial distribution.
+distribution-free: order statistics of the sample, with ranks from the binomial distribution, for the
+sample's effective size (step times that follow each other count as fewer independent ones).
 """
 
 import math
@@ -20,6 +21,10 @@ WINDOW_KEYS = ("interval_rel", "target_reached", "disturbed", "step_time_shift",
                "warmup_steps", "measured_steps", "measure_seconds", "threads_per_rank", "cores_pinned")
 
 
+MIN_STEPS_FOR_AUTOCORRELATION = 10
+MAX_AUTOCORRELATION = 0.9
+
+
 @dataclass(frozen=True)
 class Decision:
     stop: bool
@@ -30,25 +35,50 @@ class Decision:
     shift: float = 0.0  # step_time_shift of the measured steps
 
 
-def median_interval(times: Sequence[float], confidence: float = 0.95) -> Tuple[float, float, float]:
+def median_interval(times: Sequence[float], confidence: float = 0.95, n_eff: Optional[float] = None) -> Tuple[float, float, float]:
     """(median, low, high): a distribution-free confidence interval for the median.
 
     [x_(j), x_(n+1-j)] of the sorted sample covers the median with probability 1 - 2 P(B <= j-1),
     B ~ Binomial(n, 1/2); j is the largest rank that keeps this at least `confidence`. Below 6 values
-    no pair reaches 95%, and the interval is the whole range [min, max].
+    no pair reaches 95%, and the interval is the whole range [min, max]. `n_eff`: the sample is worth
+    only this many independent values (correlated steps, `effective_size`); the ranks are found for
+    n_eff values and taken at the same quantiles of the whole sample.
     """
     x = sorted(times)
     n = len(x)
     if n == 0:
         raise ValueError("no step times")
+    m = n if n_eff is None else max(1, min(n, int(n_eff)))
     alpha = (1.0 - confidence) / 2.0
-    j, cdf = 1, 0.5**n  # cdf = P(B <= j-1)
-    while j < (n + 1) // 2:
-        nxt = cdf + math.comb(n, j) * 0.5**n  # P(B <= j)
+    j, cdf = 1, 0.5**m  # cdf = P(B <= j-1)
+    while j < (m + 1) // 2:
+        nxt = cdf + math.comb(m, j) * 0.5**m  # P(B <= j)
         if nxt > alpha:
             break
         j, cdf = j + 1, nxt
+    if m < n:
+        j = max(1, math.floor(j * (n + 1) / (m + 1)))  # the same quantile, j / (m + 1), of the n values
     return statistics.median(x), x[j - 1], x[n - j]
+
+
+def lag1_autocorrelation(times: Sequence[float]) -> float:
+    """How much each step time follows the one before (0: independent; near 1: long slow and fast stretches)."""
+    mean = statistics.fmean(times)
+    total = sum((t - mean) ** 2 for t in times)
+    return sum((a - mean) * (b - mean) for a, b in zip(times, times[1:])) / total if total > 0 else 0.0
+
+
+def effective_size(times: Sequence[float]) -> float:
+    """How many independent step times the window is worth. Step times come in stretches (the machine's
+    other work, the clock) when they follow each other: with lag-1 autocorrelation r, n (1 - r) / (1 + r)
+    (AR(1)). r is taken less half its spread under independence (1 / sqrt(n)), so that independent steps
+    are seldom taken for correlated ones by chance, and within [0, MAX_AUTOCORRELATION]; below
+    MIN_STEPS_FOR_AUTOCORRELATION steps it is not estimated."""
+    n = len(times)
+    if n < MIN_STEPS_FOR_AUTOCORRELATION:
+        return float(n)
+    r = min(max(lag1_autocorrelation(times) - 0.5 / math.sqrt(n), 0.0), MAX_AUTOCORRELATION)
+    return n * (1 - r) / (1 + r)
 
 
 def fewest_steps(confidence: float = 0.95) -> int:
@@ -58,10 +88,11 @@ def fewest_steps(confidence: float = 0.95) -> int:
 
 
 def interval_rel(times: Sequence[float], confidence: float = 0.95) -> float:
-    """The larger side of the median's confidence interval, relative to the median (0.02: +-2%)."""
+    """The larger side of the median's confidence interval, relative to the median (0.02: +-2%), for
+    the window's effective number of independent steps."""
     if len(times) < 2:
         return math.inf
-    med, lo, hi = median_interval(times, confidence)
+    med, lo, hi = median_interval(times, confidence, effective_size(times))
     return max(med - lo, hi - med) / med if med > 0 else math.inf
 
 
