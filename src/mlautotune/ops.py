@@ -49,19 +49,37 @@ def _builder(name: str):
 def unbuilt(names: List[str]) -> List[str]:
     """Those of `names` this machine would compile on first use: compatible, not shipped prebuilt,
     and not in torch's extension cache yet."""
-    import deepspeed.ops
     from deepspeed.git_version_info import installed_ops
     from torch.utils.cpp_extension import _get_build_directory
 
+    compatible = compatible_ops()
     missing = []
     for name in names:
         builder = _builder(name)
-        if builder is None or installed_ops.get(builder.name) or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        if builder is None or installed_ops.get(builder.name) or not compatible.get(builder.NAME, False):
             continue
         build_dir = _get_build_directory(builder.name, verbose=False)
         if not any(p.endswith(".so") for p in _listdir(build_dir)) or not built_here(build_dir):
             missing.append(name)
     return missing
+
+
+def compatible_ops() -> Dict[str, bool]:
+    """DeepSpeed's compatibility of every op with this machine. Working it out compiles test programs
+    (async_io links against libaio), and distutils echoes their gcc command lines on standard output
+    when something has raised its log level: they are kept off the console."""
+    import deepspeed.ops
+
+    sys.stdout.flush()
+    saved, devnull = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    try:
+        return dict(deepspeed.ops.__compatible_ops__)
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
 
 
 def built_here(build_dir: str) -> bool:
