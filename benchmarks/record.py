@@ -1,7 +1,7 @@
 """Record a landscape: run a tuning plan's whole grid on a real workload through the product's own
 session and runner (DeepSpeed launcher, probe, memory limit), one experiment at a time.
 
-    python benchmarks/record.py OUT.json --micro-batches 1,2,4,8,16,32 [--name NAME] -- HYDRA_OVERRIDES...
+    python benchmarks/record.py OUT.json --micro-batches 1,2,4,8,16,32 [--name NAME] [--keep DIR] -- HYDRA_OVERRIDES...
 
     e.g. python benchmarks/record.py benchmarks/landscapes/cpu_gpt-0.9M_fast.json --micro-batches 1,2,4,8,16,24,32,48 \
              -- config=benchmarks/configs/cpu_gpt-0.9M_fast.json launcher.num_gpus=2
@@ -17,6 +17,7 @@ interrupted recording resumes.
 import argparse
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -65,13 +66,18 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--micro-batches", required=True, help="ascending micro-batch sizes to record, comma-separated")
     ap.add_argument("--name", help="landscape name (default: OUT's file name)")
+    ap.add_argument("--keep", type=Path, metavar="DIR", help="keep the experiment folders here (default: a temporary folder, removed at the end)")
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
     args = ap.parse_args(argv[:split])
     args.overrides = argv[split + 1:]
     micro_batches = sorted({int(x) for x in args.micro_batches.split(",")})
     register_configs()
-    scratch = Path("/tmp/mlautotune-record") / args.out.stem  # experiment folders; the landscape keeps the numbers
+    with tempfile.TemporaryDirectory(prefix="mlautotune-record-") as tmp:
+        record(args, micro_batches, args.keep or Path(tmp))  # the experiment folders; the landscape keeps the numbers
+
+
+def record(args: argparse.Namespace, micro_batches: list, scratch: Path) -> None:
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
         cfg = compose(config_name="config", overrides=[f"autotuning.results_dir={scratch}", f"autotuning.exps_dir={scratch}/exps", *args.overrides])
     session = open_session(cfg)

@@ -32,7 +32,8 @@ def test_record_runs_the_grid_stops_a_stage_at_its_oom_and_resumes(tmp_path):
     # that OOM, never run.
     cmd = [sys.executable, str(ROOT / "benchmarks" / "record.py"), str(out), "--micro-batches", "2,4,65536,131072", "--",
            f"config={config}", "launcher.num_gpus=2", "script_args=" + " ".join(TINY_MODEL)]
-    first = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    kept = tmp_path / "kept"
+    first = subprocess.run(cmd[:3] + ["--keep", str(kept)] + cmd[3:], capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-2000:]
     land = load(out)
     got = {p["params"]["micro_batch"]: p for p in land["points"]}
@@ -40,6 +41,7 @@ def test_record_runs_the_grid_stops_a_stage_at_its_oom_and_resumes(tmp_path):
     assert got[2]["status"] == got[4]["status"] == "ok" and got[2]["metrics"]["throughput"] > 0 and got[2]["wall_time_s"] > 0
     assert got[65536]["status"] == "oom" and got[65536]["metrics"]["peak_memory_bytes"] > 1200 * 2**20
     assert land["source"] == "recorded" and land["world_size"] == 2 and land["plan"]["stages"] == [1]
+    assert len(list(kept.rglob("exp.json"))) == 3  # --keep: the experiment folders stay there
 
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "(0 run now" in again.stdout
