@@ -535,3 +535,17 @@ def test_the_budget_counts_other_workers_pending_trials():
     a, b = workers(make_plan(stages=[0, 1]), num_trials=2)
     assert isinstance(a.propose(), tuple) and isinstance(b.propose(), tuple)
     assert a.propose() == "budget"
+
+
+def test_workers_that_each_profiled_a_stage_measure_one_second_memory_point_between_them():
+    """Four workers start together, each on its own stage at micro-batch 1. Once those are in, the
+    per-sample slope needs one more size of one stage, not one per stage: each worker used to take its
+    own first result as "the first" and profile its own stage again."""
+    ws = workers(make_plan(), n=4)
+    claimed = [w.propose() for w in ws]
+    assert sorted(c[0].params["stage"] for c in claimed) == [0, 1, 2, 3] and {c[0].params["micro_batch"] for c in claimed} == {1}
+    for w, c in reversed(list(zip(ws, claimed))):  # the last stage's finishes first
+        w.run(*c)
+    nxt = [w.propose() for w in ws]
+    seconds = [c[1] for c in nxt if c[1].why.startswith("profiling")]
+    assert len(seconds) == 1 and seconds[0].params["micro_batch"] == 4
