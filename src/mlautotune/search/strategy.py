@@ -149,10 +149,10 @@ class Strategy:
             return None
         if self.plan.micro_batch.mode != "min" or self.memory.per_sample_measured():
             return None
-        if any(p["micro_batch"] == self.low * PROFILE_FACTOR for p in self.pending_params):
-            return None  # another worker is measuring the second point: one is enough
         first = min((m for m in runs if m.ok), key=lambda m: m.trial_number)  # the same for every worker
         mbs = first.params["micro_batch"] * PROFILE_FACTOR
+        if any(p["micro_batch"] == mbs for p in self.pending_params):
+            return None  # another worker is measuring the second point: one is enough
         p = with_knobs(self.plan, first.params["stage"], mbs, knobs_of_params(first.params))
         if (self.cap is not None and mbs > self.cap) or params_key(p) in taken:
             return None
