@@ -455,16 +455,38 @@ def test_two_workers_never_run_the_same_params(tmp_path):
     plan = make_plan(stages=[0, 1], knobs=knobs, fast=False)
     a, study = tuner(plan, Landscape(), storage, alone=False, poll_seconds=0)
     b, _ = tuner(plan, Landscape(), storage, alone=False, poll_seconds=0)
-    for _ in range(12):
-        claimed = [c for c in (a.propose(), b.propose()) if isinstance(c, tuple)]
-        if not claimed:
-            break
-        if len(claimed) == 2:
-            assert claimed[0][0].params != claimed[1][0].params
-        for worker, (trial, step) in zip((a, b), claimed):
-            worker.run(trial, step)
+    run_in_step(a, b)
     launched = [tuple(sorted(t.params.items())) for t in study.trials if "name" in t.user_attrs and "repeat_of" not in t.user_attrs]
-    assert len(launched) == len(set(launched)) >= 6
+    assert len(launched) == len(set(launched)) >= 4
+
+
+def run_in_step(*workers, rounds: int = 12) -> None:
+    """Every worker proposes while the others' claims are RUNNING, then all run what they claimed."""
+    for _ in range(rounds):
+        claimed = [(w, c) for w in workers if isinstance(c := w.propose(), tuple)]
+        if not claimed:
+            return
+        params = [c[0].params for _, c in claimed]
+        assert all(p != q for i, p in enumerate(params) for q in params[i + 1:])
+        for worker, (trial, step) in claimed:
+            worker.run(trial, step)
+
+
+def test_workers_wait_for_the_second_memory_point_before_probing_memory_edges(tmp_path):
+    """While one worker measures the slope, an edge placed from the first point alone runs out of
+    memory (z1 at 244 and 122 here): the others wait, and the first wave takes both profiling sizes."""
+    storage = f"sqlite:///{tmp_path / 'o.db'}"
+    knobs = {0: {}, 1: {"reduce_bucket_size": [500000000, 50000000], "allgather_bucket_size": [500000000, 50000000]}}
+    plan = make_plan(stages=[0, 1], knobs=knobs, fast=False)
+    a, study = tuner(plan, Landscape(), storage, alone=False, poll_seconds=0)
+    b, _ = tuner(plan, Landscape(), storage, alone=False, poll_seconds=0)
+    first = [a.propose(), b.propose()]
+    assert sorted(c[0].params["micro_batch"] for c in first) == [1, 4]
+    for worker, (trial, step) in zip((a, b), first):
+        worker.run(trial, step)
+    run_in_step(a, b)
+    assert a.best() is not None
+    assert [t.params for t in study.trials if t.user_attrs.get("status") == "oom"] == []
 
 
 def test_a_simultaneous_claim_of_the_same_params_goes_to_the_lower_trial_number(tmp_path):
@@ -538,14 +560,14 @@ def test_the_budget_counts_other_workers_pending_trials():
 
 
 def test_workers_that_each_profiled_a_stage_measure_one_second_memory_point_between_them():
-    """Four workers start together, each on its own stage at micro-batch 1. Once those are in, the
-    per-sample slope needs one more size of one stage, not one per stage: each worker used to take its
+    """Four workers start together: the first stage at micro-batch 1 and 4 (the slope), two other stages
+    at 1. Once those are in, the per-sample slope needs no more sizes: each worker used to take its
     own first result as "the first" and profile its own stage again."""
     ws = workers(make_plan(), n=4)
     claimed = [w.propose() for w in ws]
-    assert sorted(c[0].params["stage"] for c in claimed) == [0, 1, 2, 3] and {c[0].params["micro_batch"] for c in claimed} == {1}
+    assert sorted((c[0].params["stage"], c[0].params["micro_batch"]) for c in claimed) == [(0, 1), (0, 4), (1, 1), (3, 1)]
     for w, c in reversed(list(zip(ws, claimed))):  # the last stage's finishes first
         w.run(*c)
     nxt = [w.propose() for w in ws]
-    seconds = [c[1] for c in nxt if c[1].why.startswith("profiling")]
-    assert len(seconds) == 1 and seconds[0].params["micro_batch"] == 4
+    seconds = [c[1] for c in claimed + nxt if isinstance(c, tuple) and c[1].why.startswith("profiling") and c[0].params["micro_batch"] == 4]
+    assert len(seconds) == 1

@@ -87,8 +87,8 @@ class Strategy:
         self.pending_repeats = ledger.pending_repeats
         self.memory = self._memory_model(runs)
         step = self._profile_step(runs, taken)
-        if step is not None or not any(m.ok for m in runs):
-            return step
+        if step is not None or not any(m.ok for m in runs) or self._slope_pending(runs):
+            return step  # None while the slope is in flight: edges placed without it run out of memory
         best = self.best(runs)
         disturbed = [m for m in runs if m.value is not None and m.disturbed and not self._repeats_pending(m)]
         if disturbed and self.s.remeasure > 0:  # the leader first; a low disturbed value would close its line
@@ -140,23 +140,34 @@ class Strategy:
         if self.memory is None and any(m.ok for m in runs):
             return None  # runs without a parameter count (no memory model): micro-batches by doubling
         stages = self.plan.stages
-        if self.memory is None:  # a failure that is not an OOM may be passing: each stage gets a second size too
-            for mbs in (self.low, self._second_size()):
-                for stage in dict.fromkeys([stages[0], stages[-1], *stages[1:-1]]):
-                    p = base_params(self.plan, stage, mbs)
-                    if params_key(p) not in taken and not self._oom_at_or_below(runs, stage, mbs):
-                        return Step(p, "profiling: model info and a first memory point")
+        if self.memory is None:  # the first stage's two sizes (another worker takes the second at once), then the
+            order = dict.fromkeys([stages[0], stages[-1], *stages[1:-1]])  # others: a failure that is not an OOM may be passing
+            for stage, mbs in [(stages[0], self.low), (stages[0], self._second_size()), *((s, m) for m in (self.low, self._second_size()) for s in order)]:
+                p = base_params(self.plan, stage, mbs)
+                if params_key(p) not in taken and not self._oom_at_or_below(runs, stage, mbs):
+                    return Step(p, "profiling: model info and a first memory point")
             return None
         if self.plan.micro_batch.mode != "min" or self.memory.per_sample_measured():
             return None
-        first = min((m for m in runs if m.ok), key=lambda m: m.trial_number)  # the same for every worker
-        mbs = first.params["micro_batch"] * PROFILE_FACTOR
-        if any(p["micro_batch"] == mbs for p in self.pending_params):
+        first, mbs = self._second_point(runs)
+        if self._slope_pending(runs):
             return None  # another worker is measuring the second point: one is enough
         p = with_knobs(self.plan, first.params["stage"], mbs, knobs_of_params(first.params))
         if (self.cap is not None and mbs > self.cap) or params_key(p) in taken:
             return None
         return Step(p, "profiling: a second memory point for the per-sample slope")
+
+    def _second_point(self, runs: List[Measured]) -> Tuple[Measured, int]:
+        """The first run (the same for every worker: the lowest trial number) and the second size to measure."""
+        first = min((m for m in runs if m.ok), key=lambda m: m.trial_number)
+        return first, first.params["micro_batch"] * PROFILE_FACTOR
+
+    def _slope_pending(self, runs: List[Measured]) -> bool:
+        """Another worker is measuring the second memory point that the edges wait for."""
+        if self.plan.micro_batch.mode != "min" or self.memory is None or self.memory.per_sample_measured():
+            return False
+        mbs = self._second_point(runs)[1]
+        return any(p["micro_batch"] == mbs for p in self.pending_params)
 
     def _second_size(self) -> int:
         rule = self.plan.micro_batch
