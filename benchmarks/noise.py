@@ -24,7 +24,7 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from mlautotune import ops
+from mlautotune import ops, runner_process
 from mlautotune.config import MeasureConf
 from mlautotune.experiment import Experiment, Resources, run_experiment
 from mlautotune.files import read_json
@@ -110,6 +110,7 @@ def main() -> None:
     conditions = [False, True] if args.busy else [False]
     methods = tuple(args.methods.split(","))
     rows = {(m, b): [] for m in methods for b in conditions}
+    runner_process.warm()
     ops.ensure_built(experiment(methods[0], args.stage, args.mbs, args.steps).ds_config, print)  # not inside the first repeat's wall time
     load = os.getloadavg()  # other work on the machine: a quiet one is near 0
     with tempfile.TemporaryDirectory(prefix="mlautotune-noise-") as work:

@@ -11,7 +11,7 @@ from typing import Any, Dict, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from mlautotune import ops
+from mlautotune import ops, runner_process
 from mlautotune.console import Console
 from mlautotune.errors import UserError
 from mlautotune.files import atomic_write_text, read_json
@@ -64,6 +64,7 @@ def _tune(session: Session) -> None:
         + (f" | resuming with {resumed} experiments already measured" if resumed else "")
     )
     console.say(f"mlautotune: results in {session.results_dir}")
+    runner_process.warm()
     ops.ensure_built(session.ds_config, console.say)
     session.write_record(status="running", memory_limit_bytes=session.memory_limit_bytes)
     config_yaml = session.results_dir / "config.yaml"
@@ -269,6 +270,7 @@ def experiment_command(cfg: DictConfig) -> None:
     """Run one experiment of the ds_config (the plan's first configuration) and print the result."""
     session = open_session(cfg, lock=True)
     exp = session.make_experiment(first_experiments(session.plan, session.world_size)[0])
+    runner_process.warm()
     ops.ensure_built(session.ds_config, lambda text: print(text, flush=True))
     print(f"mlautotune: running {exp.name} ...", flush=True)
     result = session.run(exp)

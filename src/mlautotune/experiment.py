@@ -1,7 +1,8 @@
-"""Run one experiment through the DeepSpeed launcher and measure it. The only module that starts processes.
+"""Run one experiment through the DeepSpeed launcher and measure it. The only module that starts experiments.
 
 Each experiment is `python -m deepspeed.launcher.runner <resources> --module mlautotune.probe <exp_dir>
-<script> <args>` in its own process group; the probe in every rank writes metrics.json. The outcome
+<script> <args>` in its own process group (started by runner_process: on CPU, the runner forked from
+a process that has imported it); the probe in every rank writes metrics.json. The outcome
 comes from the exit code, the probe's per-rank records and the clock, never from the logs' wording.
 """
 
@@ -10,7 +11,6 @@ import shlex
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from mlautotune import probe
+from mlautotune import probe, runner_process
 from mlautotune.config import MeasureConf
 from mlautotune.errors import UserError
 from mlautotune.files import atomic_write_json, atomic_write_text, inside, read_json
@@ -168,7 +168,7 @@ def reserve_port(preferred: Optional[int] = None) -> int:
 def launch_command(exp: Experiment, exp_dir: Path, port: int, args: List[str], probed: bool = True) -> List[str]:
     """The DeepSpeed launcher command; `probed=False` gives the plain command a user would type for this config."""
     r = exp.resources
-    cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.runner"] if probed else ["deepspeed"]
+    cmd = list(runner_process.RUNNER_COMMAND) if probed else ["deepspeed"]
     launcher = r.launcher if r.launcher != Resources.launcher else None  # DeepSpeed's default (pdsh) goes without saying
     for flag, value in (("--hostfile", r.hostfile), ("--num_nodes", r.num_nodes), ("--num_gpus", r.num_gpus),
                         ("--include", r.include), ("--exclude", r.exclude), ("--launcher", launcher)):
@@ -181,7 +181,7 @@ def launch_command(exp: Experiment, exp_dir: Path, port: int, args: List[str], p
     return cmd + ["--master_port", str(port), "--module", "mlautotune.probe", str(exp_dir), exp.script, *args]
 
 
-def _end_group(proc: subprocess.Popen, graceful: bool) -> None:
+def _end_group(proc: runner_process.Process, graceful: bool) -> None:
     """Kill the experiment's whole process group; with a hostfile, let the launcher stop remote ranks first."""
     if graceful and proc.poll() is None:
         proc.terminate()  # the DeepSpeed runner turns SIGTERM into a kill on every node
@@ -244,7 +244,7 @@ def _measured_everywhere(exp_dir: Path) -> bool:
     return True
 
 
-def _wait(proc: subprocess.Popen, exp_dir: Path, timeout_s: float, graceful: bool) -> tuple:
+def _wait(proc: runner_process.Process, exp_dir: Path, timeout_s: float, graceful: bool) -> tuple:
     """Wait for the experiment: (timed_out, measured). The group is always killed before returning."""
     in_main = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGTERM) if in_main else None
@@ -359,11 +359,11 @@ def _launch_once(exp: Experiment, exp_dir: Path, started: float, preferred: Opti
             "measure": exp.measure, "tuner_pid": os.getpid(), "tuner_pgid": os.getpgrp(),
             "tuner_create_time": _create_time(), "tuner_host": socket.gethostname(), "launch_time": time.time(),
             "lifeline": [*tuner_lifeline().address, token]})
-        with open(exp_dir / "stdout.log", "w") as out, open(exp_dir / "stderr.log", "w") as err:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True,
-                                    env={**os.environ, **exp.env})
-            budget = max(0.0, exp.timeout_s - (time.time() - started))
-            timed_out, measured = _wait(proc, exp_dir, budget, graceful=bool(exp.resources.hostfile))
+        for log in ("stdout.log", "stderr.log"):
+            atomic_write_text(exp_dir / log, "")
+        proc = runner_process.start(cmd, str(exp_dir / "stdout.log"), str(exp_dir / "stderr.log"), {**os.environ, **exp.env})
+        budget = max(0.0, exp.timeout_s - (time.time() - started))
+        timed_out, measured = _wait(proc, exp_dir, budget, graceful=bool(exp.resources.hostfile))
     finally:
         tuner_lifeline().cut(token)  # ranks on other hosts end too
         release_shared_memory(port)  # what the ranks could not remove themselves (killed, failed)

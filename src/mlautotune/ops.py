@@ -170,10 +170,15 @@ def ensure_built(ds_config: Optional[Dict[str, Any]], say) -> float:
     return seconds
 
 
-def accelerator() -> str:
+def accelerator_name() -> str:
+    """DeepSpeed's accelerator here: "cpu", "cuda", ..."""
     from deepspeed.accelerator import get_accelerator
 
-    name = get_accelerator().device_name()
+    return get_accelerator().device_name()
+
+
+def accelerator() -> str:
+    name = accelerator_name()
     return "CPU" if name == "cpu" else name.upper()
 
 

@@ -22,6 +22,7 @@ from mlautotune.errors import UserError
 from mlautotune.experiment import Experiment, Resources, Result, run_experiment, world_size
 from mlautotune.files import atomic_write_json, inside, read_json, safe_name
 from mlautotune.measure import thread_env, usable_cores
+from mlautotune.ops import accelerator_name
 from mlautotune.redact import remember_secrets
 from mlautotune.search import SearchSettings
 from mlautotune.space import TuningPlan, build_plan, experiment_config, experiment_name
@@ -426,12 +427,6 @@ def _check_tracking_uri(uri: Optional[str], create: bool = True) -> None:
         _get_store(uri)
     except Exception as e:
         raise UserError(f"The MLflow tracking URI {uri!r} cannot be used: {str(e).splitlines()[0]}", "Use a URI like http://127.0.0.1:5000, sqlite:///mlflow.db or a folder path, via tracking.tracking_uri or MLFLOW_TRACKING_URI.")
-
-
-def accelerator_name() -> str:
-    from deepspeed.accelerator import get_accelerator
-
-    return get_accelerator().device_name()
 
 
 def default_memory_limit(device: str, resources: Resources, ws: int) -> int:

@@ -1,0 +1,69 @@
+"""How an experiment's DeepSpeed runner is started: on CPU, forked from a process that has imported
+it. A real runner launches a real rank; the test checks what the rank sees against what a fresh
+`python -u -m deepspeed.launcher.runner` process gives it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mlautotune import runner_process
+
+RANK = """
+import json, os, sys
+print(json.dumps({"cwd": os.getcwd(), "marker": os.environ.get("MLAUTOTUNE_TEST_MARKER"), "pgid": os.getpgid(0),
+                  "stdin": sys.stdin.read(), "argv": sys.argv[1:]}), flush=True)
+sys.exit(int(sys.argv[-2]))
+"""
+
+
+def launch(tmp_path, exit_code: int):
+    (tmp_path / "rank.py").write_text(RANK)
+    out, err = tmp_path / "stdout.log", tmp_path / "stderr.log"
+    for f in (out, err):
+        f.write_text("")
+    cmd = [*runner_process.RUNNER_COMMAND, "--num_gpus", "1", "rank.py", str(exit_code), "--flag"]
+    cwd = os.getcwd()
+    os.chdir(tmp_path)  # the rank's script is found relative to the tuner's working folder
+    try:
+        proc = runner_process.start(cmd, str(out), str(err), {**os.environ, "MLAUTOTUNE_TEST_MARKER": "seen"})
+    finally:
+        os.chdir(cwd)
+    try:
+        returncode = proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        raise
+    lines = [line for line in out.read_text().splitlines() if line.startswith("{")]
+    return proc, returncode, json.loads(lines[-1]) if lines else None, err.read_text()
+
+
+@pytest.mark.e2e
+def test_the_forked_runner_gives_the_rank_what_a_fresh_runner_process_would(tmp_path):
+    proc, returncode, seen, stderr = launch(tmp_path, 3)
+    assert isinstance(proc, runner_process.ForkedRunner)  # this machine's accelerator is the CPU
+    assert seen is not None, stderr
+    assert seen["cwd"] == str(tmp_path) and seen["marker"] == "seen" and seen["argv"][-2:] == ["3", "--flag"]
+    assert seen["pgid"] == proc.pid  # the experiment's own process group, which experiment.py kills as a whole
+    assert seen["stdin"] == ""
+    assert returncode == 3  # the rank's exit code, through launch.py and the runner
+
+
+@pytest.mark.e2e
+def test_a_new_server_takes_over_when_the_old_one_is_gone(tmp_path):
+    runner_process.warm()
+    old = runner_process._server
+    old.proc.kill()
+    old.proc.wait()
+    proc, returncode, seen, stderr = launch(tmp_path, 0)
+    assert isinstance(proc, runner_process.ForkedRunner) and proc.server is not old
+    assert returncode == 0 and seen is not None, stderr
+
+
+def test_other_commands_start_as_new_processes(tmp_path):
+    out, err = tmp_path / "o", tmp_path / "e"
+    proc = runner_process.start([sys.executable, "-c", "import os; print(os.getpgid(0) == os.getpid())"], str(out), str(err), dict(os.environ))
+    assert isinstance(proc, subprocess.Popen) and proc.wait(timeout=60) == 0
+    assert out.read_text().strip() == "True"
