@@ -57,8 +57,35 @@ def test_a_build_made_by_another_installation_counts_as_unbuilt(tmp_path, monkey
     import torch
 
     here = [str(Path(m.__file__).parent) for m in (deepspeed, torch)]
-    (real / "build.ninja").write_text(" ".join(f"-I{p}/include" for p in here))
+    built_by_ninja(real, "fused_adam.so", "# " + " ".join(f"-I{p}/include" for p in here))
     assert ops.unbuilt(["FusedAdamBuilder"]) == []
+
+
+def built_by_ninja(build: Path, output: str, comment: str) -> Path:
+    """A build folder like torch's: a build.ninja (with `comment` in it) that makes `output` from a
+    source file, built by the ninja on PATH, the one torch runs. Returns the source."""
+    source = build / "source.cpp"
+    source.write_text("int x;\n")
+    (build / output).unlink(missing_ok=True)
+    (build / "build.ninja").write_text(f"{comment}\nrule copy\n  command = cp $in $out\nbuild {output}: copy {source}\n")
+    subprocess.run([shutil.which("ninja"), "-C", str(build)], check=True, capture_output=True)
+    return source
+
+
+def test_a_build_that_the_ninja_on_path_would_redo_counts_as_unbuilt(tmp_path, monkeypatch):
+    """Two ninja versions (pip's in the virtualenv, the system's) each rebuild what the other built:
+    whether the cache is current is ninja's own answer (a dry run), not the files' presence."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    import deepspeed
+    import torch
+
+    build = Path(_get_build_directory("fused_adam", verbose=False))
+    source = built_by_ninja(build, "fused_adam.so", "# " + " ".join(f"-I{Path(m.__file__).parent}/include" for m in (deepspeed, torch)))
+    assert ops.unbuilt(["FusedAdamBuilder"]) == []
+    later = time.time() + 60
+    os.utime(source, (later, later))  # ninja would build again: here a newer source, there another version's log
+    assert ops.unbuilt(["FusedAdamBuilder"]) == ["FusedAdamBuilder"]
+    assert "no work to do" not in subprocess.run([shutil.which("ninja"), "-C", str(build), "-n"], capture_output=True, text=True).stdout
 
 
 @pytest.mark.e2e

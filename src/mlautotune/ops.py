@@ -10,6 +10,7 @@ against its timeout and its wall time, so setup and the session build them first
 """
 
 import os
+import shutil
 import subprocess
 import sys
 from typing import Any, Dict, List, Optional
@@ -59,7 +60,7 @@ def unbuilt(names: List[str]) -> List[str]:
         if builder is None or installed_ops.get(builder.name) or not compatible.get(builder.NAME, False):
             continue
         build_dir = _get_build_directory(builder.name, verbose=False)
-        if not any(p.endswith(".so") for p in _listdir(build_dir)) or not built_here(build_dir):
+        if not any(p.endswith(".so") for p in _listdir(build_dir)) or not built_here(build_dir) or not up_to_date(build_dir):
             missing.append(name)
     return missing
 
@@ -95,6 +96,20 @@ def built_here(build_dir: str) -> bool:
     except OSError:
         return False
     return all(os.path.dirname(os.path.abspath(m.__file__)) in text for m in (deepspeed, torch))
+
+
+def up_to_date(build_dir: str) -> bool:
+    """The ninja on PATH, the one torch runs in the ranks, has nothing to do in the build folder (a dry
+    run). A cache that another ninja version built (pip's in a virtualenv, the system's) is rebuilt on
+    first use: the two versions do not read each other's logs the same way."""
+    ninja = shutil.which("ninja")
+    if ninja is None:
+        return True  # torch cannot build without it either, and says so
+    try:
+        run = subprocess.run([ninja, "-C", build_dir, "-n"], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return run.returncode == 0 and "no work to do" in run.stdout
 
 
 def stale_locks(names: List[str], grace_s: float = STALE_LOCK_GRACE_S) -> List[str]:
