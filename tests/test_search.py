@@ -179,6 +179,24 @@ def test_near_ties_are_remeasured_before_the_optimum_is_declared():
     assert len(land.calls) == 2 + 2 * 2
 
 
+def test_a_pick_still_tied_when_the_re_measurement_budget_is_spent_does_not_stand_on_one_window():
+    """Re-measurements read 10% below first windows (seen side by side: the machine slowed). Each
+    re-measured leader drops behind a rival measured once; when the budget (2 x remeasure) is spent,
+    the rival left on top is measured once more instead of being declared on one window."""
+    class Slowing(Landscape):
+        def __call__(self, exp):
+            again = any(c == exp.params for c in self.calls)
+            r = super().__call__(exp)
+            if again:
+                r.metrics["throughput"] *= 0.9
+            return r
+
+    land = Slowing(spread=0.05)
+    out = tuner(make_plan(stages=[0], mbs=MicroBatchRule("list", (12, 13, 14))), land, tuner_type="gridsearch", remeasure=1)[0].tune()
+    assert len(out.best.repeats) >= 1, (out.best.params, [c["micro_batch"] for c in land.calls])
+    assert len(land.calls) == 3 + 2 + 1
+
+
 def test_clear_winner_is_not_remeasured():
     land = Landscape(spread=0.001)
     t, _ = tuner(make_plan(stages=[0], mbs=MicroBatchRule("list", (1, 13))), land, tuner_type="gridsearch")

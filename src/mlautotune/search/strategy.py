@@ -17,7 +17,8 @@ resumed session, or a second worker on the same study, takes up the search where
    their own micro-batch search (their own memory edge too), with the default knobs' line as the prior.
 5. Noise: a disturbed measurement is re-measured before the search builds on it (the leader
    first), and its re-measurement replaces it; near-ties (within their intervals)
-   are re-measured until they separate or `remeasure` repeats are done.
+   are re-measured until they separate or `remeasure` repeats are done; a pick still tied when
+   that budget is spent is measured again once if it stands on one window.
 
 One global stop rule gates every step: a candidate is measured only if its optimistic value beats
 the incumbent by more than EXPLORE (half) of a measurement's interval, about one standard error.
@@ -360,11 +361,15 @@ class Strategy:
         """The best two, if their values overlap within their intervals, are measured again in turn
         until they separate or each has `remeasure` repeats (at most 2 x remeasure repeats in all)."""
         ok = sorted((m for m in runs if m.value is not None), key=lambda m: -self.score(m.final_value))
-        if len(ok) < 2 or self.s.remeasure <= 0 or sum(self._repeats(m) for m in ok) >= 2 * self.s.remeasure:
-            return None  # one tie's worth of repeats in all: noise that does not settle by then is a tie
+        if len(ok) < 2 or self.s.remeasure <= 0:
+            return None
         lead = ok[0]
         ties = [m for m in ok[1:2] if self._tied(lead, m)]
         if not ties:
+            return None
+        if sum(self._repeats(m) for m in ok) >= 2 * self.s.remeasure:  # one tie's worth of repeats in all: noise
+            if self._repeats(lead) == 0:  # that does not settle by then is a tie, but the pick is not left on one window
+                return Step(lead.params, f"the pick, tied with {ties[0].result.name}, on one measurement", repeat_of=lead)
             return None
         for round_ in range(1, self.s.remeasure + 1):
             for m in [lead, *ties]:
