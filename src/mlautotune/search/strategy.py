@@ -87,9 +87,11 @@ class Strategy:
         self.pending_params = list(ledger.pending.values())
         self.pending_repeats = ledger.pending_repeats
         self.memory = self._memory_model(runs)
+        if self._slope_pending(runs):
+            return None  # another worker is measuring the second memory point: edges placed without it run out of memory
         step = self._profile_step(runs, taken)
-        if step is not None or not any(m.ok for m in runs) or self._slope_pending(runs):
-            return step  # None while the slope is in flight: edges placed without it run out of memory
+        if step is not None or not any(m.ok for m in runs):
+            return step
         best = self.best(runs)
         disturbed = [m for m in runs if m.value is not None and m.disturbed and not self._repeats_pending(m)]
         if disturbed and self.s.remeasure > 0:  # the leader first; a low disturbed value would close its line
@@ -150,9 +152,7 @@ class Strategy:
             return None
         if self.plan.micro_batch.mode != "min" or self.memory.per_sample_measured():
             return None
-        first, mbs = self._second_point(runs)
-        if self._slope_pending(runs):
-            return None  # another worker is measuring the second point: one is enough
+        first, mbs = self._second_point(runs)  # not in flight (next() waits while it is): one is enough
         p = with_knobs(self.plan, first.params["stage"], mbs, knobs_of_params(first.params))
         if (self.cap is not None and mbs > self.cap) or params_key(p) in taken:
             return None
