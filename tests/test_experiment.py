@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mlautotune import probe
+from mlautotune import cpu_features, probe
 from mlautotune.errors import UserError
 from mlautotune.experiment import (Resources, classify, experiment_args, launch_command, port_is_free, reserve_port,
                                    run_experiment, world_size)
@@ -114,6 +114,8 @@ def test_every_zero_stage_is_measured(stage, tiny_experiment, tmp_path, leftover
                                            "--num_layers", "1", "--hidden_size", "32", "--num_heads", "2",
                                            "--seq_len", "32", "--vocab_size", "256"])
         exp.resources.master_port = base_port
+        cpu_cache = Path(cpu_features.cache_file())  # the ranks' op loading asks py-cpuinfo through it
+        cpu_cache.unlink(missing_ok=True)
         result = run_experiment(exp, tmp_path)
 
     assert result.status == "ok", result.reason
@@ -138,6 +140,7 @@ def test_every_zero_stage_is_measured(stage, tiny_experiment, tmp_path, leftover
     assert m["num_params"] == m["trainable_num_params"] == tiny_num_params()  # ZeRO-3 partitions counted in full
     timeline = json.loads((d / "rank0.json").read_text())["timeline"]
     assert result.returncode == 0 and result.wall_time_s >= timeline["window_end"] - timeline["launch"] > 0  # measured, and consistent
+    assert json.loads(cpu_cache.read_text())["arch"]
     assert leftovers(str(d)) == []
 
 
