@@ -1,6 +1,6 @@
-"""How an experiment's DeepSpeed runner is started: on CPU, forked from a process that has imported
-it. A real runner launches a real rank; the test checks what the rank sees against what a fresh
-`python -u -m deepspeed.launcher.runner` process gives it."""
+"""How an experiment's DeepSpeed runner and its launch.py are started: on CPU, forked from a process
+that has imported them. A real runner launches a real rank; the test checks what the rank sees
+against what a fresh `python -u -m deepspeed.launcher.runner` process gives it."""
 
 import json
 import os
@@ -13,8 +13,11 @@ from mlautotune import runner_process
 
 RANK = """
 import json, os, sys
+import psutil
+launcher = psutil.Process(os.getppid())
 print(json.dumps({"cwd": os.getcwd(), "marker": os.environ.get("MLAUTOTUNE_TEST_MARKER"), "pgid": os.getpgid(0),
-                  "stdin": sys.stdin.read(), "argv": sys.argv[1:]}), flush=True)
+                  "stdin": sys.stdin.read(), "argv": sys.argv[1:], "launcher_cmdline": launcher.cmdline(),
+                  "launcher_parent": launcher.ppid(), "dist": [os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")]}), flush=True)
 sys.exit(int(sys.argv[-2]))
 """
 
@@ -48,6 +51,9 @@ def test_the_forked_runner_gives_the_rank_what_a_fresh_runner_process_would(tmp_
     assert seen["cwd"] == str(tmp_path) and seen["marker"] == "seen" and seen["argv"][-2:] == ["3", "--flag"]
     assert seen["pgid"] == proc.pid  # the experiment's own process group, which experiment.py kills as a whole
     assert seen["stdin"] == ""
+    assert seen["dist"] == ["0", "0", "1"]  # what launch.py sets for its ranks
+    # launch.py did not start as a new interpreter (that import is ~6 s): it is a fork of the runner
+    assert runner_process.LAUNCH_MODULE not in " ".join(seen["launcher_cmdline"]) and seen["launcher_parent"] == proc.pid
     assert returncode == 3  # the rank's exit code, through launch.py and the runner
 
 

@@ -1,15 +1,18 @@
 """The process that runs DeepSpeed's launcher (`deepspeed.launcher.runner`) for one experiment.
 
 `python -m deepspeed.launcher.runner ...` spends ~4 s importing torch and DeepSpeed before it reads
-its arguments: a fifth of a small experiment on CPU. On the CPU accelerator the runner runs
-instead in a fork of a server process that imported it once (`python -m mlautotune.runner_process`,
-started with the session): the same `runner.main(argv)` on the same arguments, environment, working
-folder, output files and new process group as the command, without the import. The launcher it
-starts (launch.py) and the ranks are new processes as before. The server reports each child's exit
+its arguments, and the `python -u -m deepspeed.launcher.launch ...` it starts on the node spends
+~6 s more: half of a small experiment on CPU. On the CPU accelerator the runner runs instead in a
+fork of a server process that imported both once (`python -m mlautotune.runner_process`, started
+with the session): the same `runner.main(argv)` on the same arguments, environment, working
+folder, output files and new process group as the command, without the import. A single-node
+runner starts its launch.py the same way, as a fork of itself running `launch.main()` with the
+command's arguments and environment (`ForkedLaunch`); remote launches (pdsh, MPI, Slurm) are
+started as commands. The ranks are always new processes. The server reports each child's exit
 code; it ends when the tuner does (its requests pipe closes).
 
 Device runtimes (CUDA and the others) are not fork-safe, so on an accelerator the command is
-started as a new process; there an experiment's minutes make the 4 s small.
+started as a new process; there an experiment's minutes make the 10 s small.
 """
 
 import json
@@ -20,6 +23,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from typing import Any, Dict, List, Optional, Union
 
@@ -27,6 +31,8 @@ from mlautotune.ops import accelerator_name
 
 RUNNER_MODULE = "deepspeed.launcher.runner"
 RUNNER_COMMAND = [sys.executable, "-u", "-m", RUNNER_MODULE]
+LAUNCH_MODULE = "deepspeed.launcher.launch"
+LAUNCH_COMMAND = [sys.executable, "-u", "-m", LAUNCH_MODULE]  # as runner.py builds it for the local node
 START_TIMEOUT_S = 120.0  # the server's import included
 
 _server: Optional["Server"] = None
@@ -154,7 +160,7 @@ def serve() -> None:
     for fd in (1, 2):  # DeepSpeed logs its accelerator on import
         os.dup2(devnull, fd)
     os.close(devnull)
-    from deepspeed.launcher import runner  # noqa: F401  the import the children share
+    from deepspeed.launcher import launch, runner  # noqa: F401  the imports the children share
 
     wake_r, wake_w = os.pipe()
     for fd in (wake_r, wake_w):
@@ -195,12 +201,7 @@ def _reap(replies) -> None:
 
 def _child(request: Dict[str, Any], server_fds: List[int]) -> None:
     """What starting `python -u -m deepspeed.launcher.runner argv` would have set up, then the runner; never returns."""
-    code = 1
-    try:
-        signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    def setup() -> None:
         for fd in server_fds:
             os.close(fd)
         os.setsid()
@@ -212,12 +213,31 @@ def _child(request: Dict[str, Any], server_fds: List[int]) -> None:
         for stream in (sys.stdout, sys.stderr):
             stream.reconfigure(write_through=True)  # -u
         os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        sys.argv = [RUNNER_MODULE, *request["argv"]]
+
+    def run() -> None:
         from deepspeed.launcher import runner
 
+        runner.subprocess = _ForkingLaunches()  # the runner's `subprocess.Popen(launch command)` forks it instead
         runner.main(request["argv"])
+
+    _run_module(RUNNER_MODULE, request["argv"], request["env"], run, setup)
+
+
+def _run_module(module: str, argv: List[str], env: Dict[str, str], run, setup=None) -> None:
+    """In a forked child: the state `python -u -m module argv` would start with, `setup()`, then
+    `run()`; exits with the code that process would have had, never returns."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if setup is not None:
+            setup()
+        os.environ.clear()
+        os.environ.update(env)
+        sys.argv = [module, *argv]
+        run()
         code = 0
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
@@ -234,6 +254,61 @@ def _child(request: Dict[str, Any], server_fds: List[int]) -> None:
                 pass
         os._exit(code)
 
+
+class _ForkingLaunches:
+    """`subprocess` as runner.py sees it in a forked runner: its local launch command becomes a fork."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(subprocess, name)
+
+    @staticmethod
+    def Popen(cmd, *args, **kwargs):
+        if list(cmd[:len(LAUNCH_COMMAND)]) == LAUNCH_COMMAND and not args and set(kwargs) <= {"env"}:
+            return ForkedLaunch(list(cmd[len(LAUNCH_COMMAND):]), kwargs.get("env") or dict(os.environ))
+        return subprocess.Popen(cmd, *args, **kwargs)
+
+
+class ForkedLaunch:
+    """launch.py forked from the runner (which has imported it), with the part of `subprocess.Popen`
+    that runner.py uses: pid, wait, poll, returncode, send_signal."""
+
+    def __init__(self, argv: List[str], env: Dict[str, str]):
+        self.args, self.returncode = [*LAUNCH_COMMAND, *argv], None
+        self.pid = os.fork()
+        if self.pid == 0:
+            from deepspeed.launcher import launch
+
+            _run_module(LAUNCH_MODULE, argv, env, launch.main)
+
+    def _reaped(self, flags: int) -> Optional[int]:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, flags)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def poll(self) -> Optional[int]:
+        return self._reaped(os.WNOHANG)
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        if timeout is None:
+            return self._reaped(0)
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 if __name__ == "__main__":
     serve()
