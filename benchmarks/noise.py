@@ -24,9 +24,8 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from mlautotune import ops, runner_process
 from mlautotune.config import MeasureConf
-from mlautotune.experiment import Experiment, Resources, run_experiment
+from mlautotune.experiment import Experiment, Resources, prepare, run_experiment
 from mlautotune.files import read_json
 from mlautotune.measure import thread_env
 from mlautotune.session import BUNDLED_CONFIG
@@ -110,8 +109,7 @@ def main() -> None:
     conditions = [False, True] if args.busy else [False]
     methods = tuple(args.methods.split(","))
     rows = {(m, b): [] for m in methods for b in conditions}
-    runner_process.warm()
-    ops.ensure_built(experiment(methods[0], args.stage, args.mbs, args.steps).ds_config, print)  # not inside the first repeat's wall time
+    prepare(experiment(methods[0], args.stage, args.mbs, args.steps).ds_config, print)  # not inside the first repeat's wall time
     load = os.getloadavg()  # other work on the machine: a quiet one is near 0
     with tempfile.TemporaryDirectory(prefix="mlautotune-noise-") as work:
         for i in range(args.repeats):

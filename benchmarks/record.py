@@ -25,7 +25,7 @@ from hydra import compose, initialize_config_dir
 
 sys.path.insert(0, str(Path(__file__).parent))
 from landscape import key, load, save  # noqa: E402
-from mlautotune import ops, runner_process  # noqa: E402
+from mlautotune.experiment import prepare  # noqa: E402
 from mlautotune.config import register_configs  # noqa: E402
 from mlautotune.search import base_params, product  # noqa: E402
 from mlautotune.session import open_session  # noqa: E402
@@ -82,8 +82,7 @@ def record(args: argparse.Namespace, micro_batches: list, scratch: Path) -> None
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
         cfg = compose(config_name="config", overrides=[f"autotuning.results_dir={scratch}", f"autotuning.exps_dir={scratch}/exps", *args.overrides])
     session = open_session(cfg)
-    runner_process.warm()
-    ops.ensure_built(session.ds_config, print)  # not inside the first experiment's wall time
+    prepare(session.ds_config, print)  # not inside the first experiment's wall time
     land = load(args.out) if args.out.exists() else header(session, args.name or args.out.stem, sys.argv[1:])
     done = {key(p["params"]): p for p in land["points"]}
     started = time.monotonic()

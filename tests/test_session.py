@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HEAVY = Path(__file__).parent / "scripts" / "heavy_gpt.py"
 USER_LOGGING = Path(__file__).parent / "scripts" / "user_mlflow_logging.py"
 pytestmark = pytest.mark.e2e
+QUICK = ["measure.budget_s=1"]  # these sessions test the session, not the measurement (tests/test_measure.py does): a short window
 
 
 def write_config(path: Path, mbs, stages, **autotuning) -> Path:
@@ -37,7 +38,7 @@ def cli(tmp_path: Path, *args: str, script=HEAVY, extra_env=None, **popen):
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", **(extra_env or {})}
     argv = [sys.executable, "-m", "mlautotune", *args]
     if script is not None:
-        argv += [f"script={script}", f"script_args={' '.join(TINY_MODEL)}", "launcher.num_gpus=2", "search.remeasure=0"]
+        argv += [f"script={script}", f"script_args={' '.join(TINY_MODEL)}", "launcher.num_gpus=2", "search.remeasure=0", *QUICK]
     return subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
 
 
@@ -195,7 +196,7 @@ def test_mlflow_run_in_run_mode_trains_with_the_optimum(tmp_path):
     argv = [
         sys.executable, "-m", "mlflow", "run", str(ROOT), "--env-manager", "local",
         "-P", f"config={config}", "-P", f"script={HEAVY}", "-P", f"script_args={' '.join(TINY_MODEL)} --steps 8",
-        "-P", "num_gpus=2", "-P", "mode=run", "-P", f"results_dir={tmp_path / 'res'}", "-P", "overrides=search.remeasure=0",
+        "-P", "num_gpus=2", "-P", "mode=run", "-P", f"results_dir={tmp_path / 'res'}", "-P", f"overrides=search.remeasure=0 {' '.join(QUICK)}",
     ]
     proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -251,7 +252,7 @@ def test_secrets_user_logging_lock_and_the_mlflow_view(tmp_path):
     with mlflow_server(tmp_path, port) as server:
         uri = f"http://alice:TRACKPASS77@127.0.0.1:{port}"
         args = [f"config={config}", f"tracking.tracking_uri={uri}", f"script={USER_LOGGING}",
-                f"script_args={' '.join(TINY_MODEL)} --hf_token TOKEN77xyz", "launcher.num_gpus=2", "search.remeasure=0"]
+                f"script_args={' '.join(TINY_MODEL)} --hf_token TOKEN77xyz", "launcher.num_gpus=2", "search.remeasure=0", *QUICK]
         first = cli(tmp_path, *args, script=None)
         launches = tmp_path / "autotuning_results" / "launches.log"
         wait_for(lambda: launches.exists() and launches.read_text().strip(), first)

@@ -11,11 +11,10 @@ from typing import Any, Dict, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from mlautotune import ops, runner_process
 from mlautotune.console import Console
 from mlautotune.errors import UserError
 from mlautotune.files import atomic_write_text, read_json
-from mlautotune.experiment import plain_command
+from mlautotune.experiment import plain_command, prepare
 from mlautotune.measure import WINDOW_KEYS
 from mlautotune.mlproject import KEYS
 from mlautotune.redact import redact, redact_args, redact_text
@@ -64,8 +63,7 @@ def _tune(session: Session) -> None:
         + (f" | resuming with {resumed} experiments already measured" if resumed else "")
     )
     console.say(f"mlautotune: results in {session.results_dir}")
-    runner_process.warm()
-    ops.ensure_built(session.ds_config, console.say)
+    prepare(session.ds_config, console.say)
     session.write_record(status="running", memory_limit_bytes=session.memory_limit_bytes)
     config_yaml = session.results_dir / "config.yaml"
     atomic_write_text(config_yaml, OmegaConf.to_yaml(redact(OmegaConf.to_container(session.cfg, resolve=True))))
@@ -270,8 +268,7 @@ def experiment_command(cfg: DictConfig) -> None:
     """Run one experiment of the ds_config (the plan's first configuration) and print the result."""
     session = open_session(cfg, lock=True)
     exp = session.make_experiment(first_experiments(session.plan, session.world_size)[0])
-    runner_process.warm()
-    ops.ensure_built(session.ds_config, lambda text: print(text, flush=True))
+    prepare(session.ds_config, lambda text: print(text, flush=True))
     print(f"mlautotune: running {exp.name} ...", flush=True)
     result = session.run(exp)
     print(f"status: {result.status}")

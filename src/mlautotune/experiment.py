@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from mlautotune import probe, runner_process
+from mlautotune import cpu_features, ops, probe, runner_process
 from mlautotune.config import MeasureConf
 from mlautotune.errors import UserError
 from mlautotune.files import atomic_write_json, atomic_write_text, inside, read_json
@@ -307,6 +307,18 @@ def classify(returncode: Optional[int], timed_out: bool, exp_dir: Path, timeout_
 
 
 PORT_ATTEMPTS = 3
+
+
+def prepare(ds_config: Optional[Dict[str, Any]], say) -> None:
+    """Before a process's first experiment: the runner server starts importing (it overlaps what the
+    caller does next), DeepSpeed's missing ops are built, and the CPU's features are cached for the
+    ranks' op loading, so none of it is paid inside an experiment."""
+    runner_process.warm()
+    if cpu_features.install():
+        import cpuinfo
+
+        cpuinfo.get_cpu_info()
+    ops.ensure_built(ds_config, say)
 
 
 def run_experiment(exp: Experiment, results_dir: Path) -> Result:

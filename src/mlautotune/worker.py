@@ -22,7 +22,7 @@ import optuna
 from omegaconf import DictConfig, OmegaConf
 from optuna.trial import TrialState
 
-from mlautotune import ops, runner_process
+from mlautotune.experiment import prepare
 from mlautotune.cluster import Heartbeat, claim_once
 from mlautotune.commands import _raise_interrupt, finish, lr_advice, parent_params, session_console, session_tracker
 from mlautotune.console import Console
@@ -79,8 +79,7 @@ def _work(session: Session) -> None:
     console.say(f"mlautotune: worker {tag.name} joins session {session.name} | {len(study.trials)} trials so far | {session.world_size} ranks"
                 f" | metric {session.at.metric} | budget {session.at.tuner_num_trials} experiments for the session")
     console.say(f"mlautotune: results in {session.results_dir}")
-    runner_process.warm()
-    ops.ensure_built(session.ds_config, console.say)
+    prepare(session.ds_config, console.say)
     session.write_record(status="running", memory_limit_bytes=session.memory_limit_bytes)
     config_yaml = session.results_dir / "config.yaml"
     atomic_write_text(config_yaml, OmegaConf.to_yaml(redact(OmegaConf.to_container(session.cfg, resolve=True))))
