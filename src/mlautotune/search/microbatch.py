@@ -17,19 +17,23 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 Point = Tuple[int, float]  # (micro-batch, value)
 DENSE_UP_TO = 64  # every integer up to this is a candidate; above it, 160 log-spaced sizes
 MIN_STRETCH = 1.15  # measured sizes closer than this ratio leave nothing worth probing between them
-EDGE_TOLERANCE = 20  # the edge is known once the smallest OOM is within 1/20 (5%) of the largest run
+EDGE_TOLERANCE = 20  # the edge is known once the largest run is within 1/20 (5%) below the smallest OOM
 
 
-def edge_probe(ok: Sequence[int], ooms: Sequence[int], low: int, cap: Optional[int], predicted: Optional[int]) -> Optional[int]:
+def edge_probe(ok: Sequence[int], ooms: Sequence[int], low: int, cap: Optional[int], predicted: Optional[int],
+               chunky: bool = False) -> Optional[int]:
     """The next micro-batch to try on the way to the largest that fits, or None once it is known:
-    within 5%, at the cap, or where the memory model (calibrated on the largest run) says nothing
-    larger fits. With a model: predict, verify, and bisect once both a run and an OOM are known
-    (a model calibrated on the run creeps up one at a time). Without one: double, then bisect."""
+    within 5% below the smallest OOM, at the cap, or where the memory model (calibrated on the
+    largest run) says nothing larger fits. With a model: predict, verify, and bisect once both a run
+    and an OOM are known (a model calibrated on the run creeps up one at a time). Without one:
+    double, then bisect. `chunky`: memory grows in steps (a CPU rank's RSS, in allocator chunks), so
+    the size just under one that ran out of memory most likely runs out too: after an OOM the next
+    try is 5% below it, where the edge counts as known, not one below."""
     lo = max(ok) if ok else None
     hi = min(ooms) if ooms else None
     if hi is not None and hi <= low:
         return None
-    if lo is not None and ((hi is not None and hi <= lo + max(1, lo // EDGE_TOLERANCE)) or (cap is not None and lo >= cap)):
+    if lo is not None and ((hi is not None and hi - lo <= _edge_margin(hi)) or (cap is not None and lo >= cap)):
         return None
     floor = lo + 1 if lo is not None else low
     bounds = [x for x in (hi - 1 if hi is not None else None, cap) if x is not None]
@@ -46,11 +50,18 @@ def edge_probe(ok: Sequence[int], ooms: Sequence[int], low: int, cap: Optional[i
             guess = max(guess, (lo + hi) // 2)
         if hi is not None and len(ooms) >= 2:
             guess = min(guess, max(floor, (floor + hi) // 2))  # wrong twice here: bisect rather than walk down
+        elif hi is not None and chunky:
+            guess = max(floor, min(guess, hi - _edge_margin(hi)))
         return guess
     if hi is None:
         guess = low if lo is None else lo * 2
         return min(guess, ceiling) if ceiling is not None else guess
     return (lo + hi) // 2 if lo is not None else max(low, hi // 2)
+
+
+def _edge_margin(oom: int) -> int:
+    """How far below the smallest OOM the largest run may be for the edge to count as known."""
+    return max(1, math.ceil(oom / EDGE_TOLERANCE))
 
 
 def sizes_between(low: int, high: int, allowed: Optional[Sequence[int]] = None) -> List[int]:

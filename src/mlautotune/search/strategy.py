@@ -235,7 +235,7 @@ class Strategy:
             return None
         if predicted is None and self.memory is not None:
             predicted = self.memory.max_micro_batch(stage, cap=self.cap)
-        return edge_probe([m for m, _ in own], ooms, self.low, self.cap, predicted)
+        return edge_probe([m for m, _ in own], ooms, self.low, self.cap, predicted, chunky=self.s.device == "cpu")
 
     def _micro_batch_step(self, stage: int, runs: List[Measured], taken: set, target: float) -> Optional[Step]:
         knobs = base_knobs(self.plan, stage)
