@@ -268,6 +268,12 @@ class _ForkingLaunches:
         return subprocess.Popen(cmd, *args, **kwargs)
 
 
+def _launch_main() -> None:
+    from deepspeed.launcher import launch
+
+    launch.main()
+
+
 class ForkedLaunch:
     """launch.py forked from the runner (which has imported it), with the part of `subprocess.Popen`
     that runner.py uses: pid, wait, poll, returncode, send_signal."""
@@ -276,9 +282,7 @@ class ForkedLaunch:
         self.args, self.returncode = [*LAUNCH_COMMAND, *argv], None
         self.pid = os.fork()
         if self.pid == 0:
-            from deepspeed.launcher import launch
-
-            _run_module(LAUNCH_MODULE, argv, env, launch.main)
+            _run_module(LAUNCH_MODULE, argv, env, _launch_main)  # never returns: not even an error goes on in the runner's code
 
     def _reaped(self, flags: int) -> Optional[int]:
         if self.returncode is None:
