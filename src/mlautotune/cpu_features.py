@@ -15,6 +15,8 @@ import os
 import platform
 from typing import Optional
 
+from mlautotune.files import atomic_write_json
+
 CPU_KEYS = ("vendor_id", "model name", "flags", "features", "cpu implementer", "cpu part", "isa", "uarch")
 
 
@@ -75,8 +77,6 @@ def _read(path: str) -> Optional[dict]:
 
 def _write(path: str, info: dict) -> dict:
     if info.get("arch"):  # py-cpuinfo failed (an empty answer): ask again next time
-        from mlautotune.files import atomic_write_json
-
         try:
             atomic_write_json(path, info)
         except OSError:

@@ -23,7 +23,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import traceback
 from typing import Any, Dict, List, Optional, Union
 
@@ -276,10 +275,10 @@ def _launch_main() -> None:
 
 class ForkedLaunch:
     """launch.py forked from the runner (which has imported it), with the part of `subprocess.Popen`
-    that runner.py uses: pid, wait, poll, returncode, send_signal."""
+    that runner.py uses (pid, wait, returncode; send_signal for a multi-node pdsh launch, never forked)."""
 
     def __init__(self, argv: List[str], env: Dict[str, str]):
-        self.args, self.returncode = [*LAUNCH_COMMAND, *argv], None
+        self.returncode: Optional[int] = None
         self.pid = os.fork()
         if self.pid == 0:
             _run_module(LAUNCH_MODULE, argv, env, _launch_main)  # never returns: not even an error goes on in the runner's code
@@ -294,25 +293,13 @@ class ForkedLaunch:
     def poll(self) -> Optional[int]:
         return self._reaped(os.WNOHANG)
 
-    def wait(self, timeout: Optional[float] = None) -> int:
-        if timeout is None:
-            return self._reaped(0)
-        deadline = time.monotonic() + timeout
-        while self.poll() is None:
-            if time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            time.sleep(0.05)
-        return self.returncode
+    def wait(self) -> int:
+        return self._reaped(0)
 
     def send_signal(self, sig: int) -> None:
         if self.returncode is None:
             os.kill(self.pid, sig)
 
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 if __name__ == "__main__":
     serve()
