@@ -17,7 +17,6 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 Point = Tuple[int, float]  # (micro-batch, value)
 DENSE_UP_TO = 64  # every integer up to this is a candidate; above it, 160 log-spaced sizes
 MIN_STRETCH = 1.15  # measured sizes closer than this ratio leave nothing worth probing between them
-FAR_EDGE = 2  # on CPU, an edge more than this many times the largest run is approached halfway (log scale) first
 EDGE_TOLERANCE = 20  # the edge is known once the largest run is within 1/20 (5%) below the smallest OOM
 
 
@@ -58,19 +57,6 @@ def edge_probe(ok: Sequence[int], ooms: Sequence[int], low: int, cap: Optional[i
         guess = low if lo is None else lo * 2
         return min(guess, ceiling) if ceiling is not None else guess
     return (lo + hi) // 2 if lo is not None else max(low, hi // 2)
-
-
-def upward_probe(sizes: Sequence[int], edge: Optional[int], chunky: bool = False) -> Optional[int]:
-    """Where a line is probed above its largest run: at the memory edge search's next size. `chunky`
-    (a CPU rank's RSS): while that is more than FAR_EDGE times the largest run, at the log-midpoint
-    first. There the memory model extrapolates furthest from what it measured (RSS per sample grows
-    with the batch, so the edge is overestimated and runs out of memory), and throughput often
-    peaks well before the edge: if it has fallen at the midpoint, the stretch above closes with no
-    experiment at the edge; if not, the edge is next."""
-    top = max(sizes, default=None)
-    if chunky and edge and top and edge > FAR_EDGE * top:
-        return round(math.sqrt(top * edge))
-    return edge
 
 
 def _edge_margin(oom: int) -> int:

@@ -35,7 +35,7 @@ from mlautotune.samplers import make_chooser
 from mlautotune.samplers.cost_model import CostModel
 from mlautotune.search.candidates import base_knobs, base_params, knobs_of_params, micro_batch_cap, params_key, stage_knob_combos, with_knobs
 from mlautotune.search.ledger import Ledger, Measured
-from mlautotune.search.microbatch import Point, concave_bound, edge_probe, peak_probe, scaled_reference, sizes_between, stretched, upward_probe
+from mlautotune.search.microbatch import Point, concave_bound, edge_probe, peak_probe, scaled_reference, sizes_between, stretched
 from mlautotune.search.settings import SearchSettings
 from mlautotune.space import TuningPlan
 
@@ -268,8 +268,7 @@ class Strategy:
         candidates = self._candidates(stage, high)
         taken_sizes = self._taken_sizes(stage, knobs, taken, candidates) | set(ooms)
         pending = {p["micro_batch"] for p in self.pending_params if p["stage"] == stage and knobs_of_params(p) == knobs}
-        probe = upward_probe([m for m, _ in own], edge, chunky=self.s.device == "cpu")
-        mbs, bound = peak_probe(own, reference, candidates, taken_sizes, target, prior_ratio, high_probe=probe, rate=self.s.metric != "latency", pending=pending)
+        mbs, bound = peak_probe(own, reference, candidates, taken_sizes, target, prior_ratio, high_probe=edge, rate=self.s.metric != "latency", pending=pending)
         if mbs is None:
             return None
         return Step(with_knobs(self.plan, stage, mbs, knobs), f"z{stage}: micro-batch {mbs} may reach {bound:.4g}")
