@@ -32,14 +32,20 @@ def tiny_experiment():
 @pytest.fixture
 def leftovers():
     """A function: what is left of an experiment (`text` is its folder, or any command-line text): the
-    live (non-zombie) processes whose command line mentions `text`, and, for every experiment folder
-    under `text`, the shared-memory buffers DeepSpeed's CPU all-reduce created on its master port."""
+    live (non-zombie) processes whose command line mentions `text` or that have a file under it open
+    (a rank forked by runner_process has the server's command line, and the experiment's logs as its
+    output), and, for every experiment folder under `text`, the shared-memory buffers DeepSpeed's CPU
+    all-reduce created on its master port."""
 
     def find(text: str) -> list:
         found = []
         for p in psutil.process_iter(["cmdline", "status"]):
-            if p.info["status"] != psutil.STATUS_ZOMBIE and any(text in part for part in (p.info["cmdline"] or [])):
-                found.append(p)
+            try:
+                if p.info["status"] != psutil.STATUS_ZOMBIE and (any(text in part for part in (p.info["cmdline"] or []))
+                                                                 or any(f.path.startswith(text) for f in p.open_files())):
+                    found.append(p)
+            except psutil.Error:
+                pass
         root = Path(text)
         for exp_json in ([root / "exp.json"] if (root / "exp.json").is_file() else root.glob("**/exp.json")) if root.is_dir() else []:
             port = json.loads(exp_json.read_text())["master_port"]

@@ -73,3 +73,13 @@ def test_other_commands_start_as_new_processes(tmp_path):
     proc = runner_process.start([sys.executable, "-c", "import os; print(os.getpgid(0) == os.getpid())"], str(out), str(err), dict(os.environ))
     assert isinstance(proc, subprocess.Popen) and proc.wait(timeout=60) == 0
     assert out.read_text().strip() == "True"
+
+
+def test_a_rank_is_forked_only_when_nothing_read_at_a_process_start_differs(monkeypatch):
+    monkeypatch.setattr(runner_process, "_SERVER_ENV", {"PATH": "/bin", "KMP_DUPLICATE_LIB_OK": "True"})
+    rank = {"PATH": "/bin", "RANK": "1", "OMP_NUM_THREADS": "2", "PYTHONPATH": "/x", "MLFLOW_RUN_ID": "r"}
+    assert runner_process._forkable(rank)  # the launcher's and the tuner's variables; the fork sets its threads and path
+    assert not runner_process._forkable({**rank, "LD_PRELOAD": "/usr/lib/libtcmalloc.so"})  # read by the loader
+    assert not runner_process._forkable({**rank, "MALLOC_ARENA_MAX": "2"})  # by the allocator, at the start
+    assert not runner_process._forkable({**rank, "KMP_DUPLICATE_LIB_OK": "False"})  # set otherwise than the import does
+    assert not runner_process._forkable({**rank, "PYTHONHASHSEED": "0"})

@@ -373,7 +373,8 @@ def _launch_once(exp: Experiment, exp_dir: Path, started: float, preferred: Opti
             "lifeline": [*tuner_lifeline().address, token]})
         for log in ("stdout.log", "stderr.log"):
             atomic_write_text(exp_dir / log, "")
-        proc = runner_process.start(cmd, str(exp_dir / "stdout.log"), str(exp_dir / "stderr.log"), {**os.environ, **exp.env})
+        proc = runner_process.start(cmd, str(exp_dir / "stdout.log"), str(exp_dir / "stderr.log"), {**os.environ, **exp.env},
+                                    fork_ranks=exp.stop_after_window)
         budget = max(0.0, exp.timeout_s - (time.time() - started))
         timed_out, measured = _wait(proc, exp_dir, budget, graceful=bool(exp.resources.hostfile))
     finally:

@@ -183,6 +183,35 @@ def cpu_wait_seconds(this_thread: bool = False) -> Optional[float]:
     return total / 1e9
 
 
+# ---- a CPU rank's memory ---------------------------------------------------------------------------
+
+def resident_file_pages() -> Dict[str, int]:
+    """Resident bytes of each file this process maps (from /proc/self/smaps: the libraries' code and
+    data it has touched), {} where unknown."""
+    pages: Dict[str, int] = {}
+    path = None
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                if line[0] in "0123456789abcdef":  # a mapping's header: address range, perms, offset, device, inode, path
+                    fields = line.split(None, 5)
+                    path = fields[5].strip() if len(fields) > 5 and fields[5].startswith("/") else None
+                elif path is not None and line.startswith("Rss:"):
+                    pages[path] = pages.get(path, 0) + int(line.split()[1]) * 1024
+    except OSError:
+        return {}
+    return pages
+
+
+def not_yet_resident(baseline: Dict[str, int]) -> int:
+    """Bytes of the baseline's resident file pages that this process has not made resident (yet). A
+    forked process starts with few: fork does not copy the page tables of shared file mappings."""
+    if not baseline:
+        return 0
+    now = resident_file_pages()
+    return sum(max(0, size - now.get(path, 0)) for path, size in baseline.items())
+
+
 # ---- threads and cores per CPU rank -------------------------------------------------------------
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS",)

@@ -41,6 +41,9 @@ def rank_file(rank) -> str:
     return f"rank{rank}.json"
 
 
+PARENT_FILE_PAGES: dict = {}  # in a rank forked from a process that imported torch and DeepSpeed (runner_process): its resident file pages
+
+
 def peak_memory_bytes(device: str) -> int:
     """This rank's peak memory: the accelerator's max allocated, or the peak RSS on CPU."""
     if device != "cpu":
@@ -82,6 +85,8 @@ class Probe:
         self.peak = 0
         self.cores = None  # the CPU cores this rank is pinned to (measure.pin_rank), or None
         self.timeline = {"probe_start": PROBE_START, "launch": settings.get("launch_time")}
+        self.forked = "deepspeed" in sys.modules  # a fork of a process that had imported it (runner_process), not a new interpreter
+        self.uncounted = 0  # a forked rank: library pages a new interpreter's import makes resident, not touched here yet
         self.lock = threading.Lock()
 
     def mark(self, event: str) -> None:
@@ -89,7 +94,7 @@ class Probe:
 
     def rank_record(self, status: str, **extra) -> dict:
         return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "status": status, "peak_memory_bytes": self.peak,
-                "memory_limit_bytes": self.limit, "optimizer_steps": len(self.ends), "cores": self.cores,
+                "memory_limit_bytes": self.limit, "optimizer_steps": len(self.ends), "cores": self.cores, "forked": self.forked, "uncounted_bytes": self.uncounted,
                 "timeline": dict(self.timeline), **extra}
 
     def write_rank_record(self, status: str, **extra) -> None:
@@ -107,8 +112,16 @@ class Probe:
             print(f"mlautotune probe: rank {self.rank}: {reason}", file=sys.stderr, flush=True)
             os._exit(OOM_EXIT_CODE)
 
+    def count_inherited(self) -> None:
+        """A forked rank's RSS misses the library pages its parent's import made resident (~200 MB of
+        torch's), which a new interpreter counts: the ones it has not touched yet are added to its
+        peak, so that the figure is a new rank's. Counted at the start, after the engine's
+        initialisation and when the window opens (reading smaps takes ~10 ms: never inside it)."""
+        if self.device == "cpu" and PARENT_FILE_PAGES:
+            self.uncounted = measure.not_yet_resident(PARENT_FILE_PAGES)
+
     def check_memory(self) -> None:
-        self.peak = max(self.peak, peak_memory_bytes(self.device))
+        self.peak = max(self.peak, peak_memory_bytes(self.device) + self.uncounted)
         if self.limit and self.peak > self.limit:
             self.exit_oom(f"peak memory {self.peak} bytes is over the limit of {self.limit} bytes per rank")
 
@@ -135,6 +148,7 @@ class Probe:
         from deepspeed.profiling.flops_profiler import FlopsProfiler
 
         self.mark("first_forward")
+        self.count_inherited()
         prof = FlopsProfiler(engine.module)
         prof.start_profile()
         try:
@@ -155,6 +169,7 @@ class Probe:
         self.engine = engine
         self.check_memory()
         if n == self.start - 1:
+            self.count_inherited()
             self.mark("window_start")
             self.wait_at_open = (measure.cpu_wait_seconds(), measure.cpu_wait_seconds(this_thread=True))
         if self.window is None and measure.check_due(n, self.end, self.measure):
@@ -337,6 +352,7 @@ def main(argv) -> None:
 
     probe.accelerator = get_accelerator()
     probe.device = probe.accelerator.device_name()
+    probe.count_inherited()
     threading.Thread(target=probe.watchdog, name="mlautotune-watchdog", daemon=True).start()
     if probe.settings.get("lifeline"):  # ranks on other hosts: the tuner's kill of the local group does not reach them
         from mlautotune.lifeline import hold

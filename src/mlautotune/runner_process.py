@@ -7,14 +7,21 @@ fork of a server process that imported both once (`python -m mlautotune.runner_p
 with the session): the same `runner.main(argv)` on the same arguments, environment, working
 folder, output files and new process group as the command, without the import. A single-node
 runner starts its launch.py the same way, as a fork of itself running `launch.main()` with the
-command's arguments and environment (`ForkedLaunch`); remote launches (pdsh, MPI, Slurm) are
-started as commands. The ranks are always new processes. The server reports each child's exit
-code; it ends when the tuner does (its requests pipe closes).
+command's arguments and environment (`Forked`); remote launches (pdsh, MPI, Slurm) are
+started as commands. In a tuning experiment (`fork_ranks`) launch.py starts its ranks the same
+way: a rank's `python -u -m mlautotune.probe ...` becomes a fork of launch.py running the probe,
+with the path, threads and random state a new interpreter would have (`_rank_main`), which saves
+the ranks' own import of torch and DeepSpeed (~6 s of a 10-16 s experiment). A rank whose
+environment differs from the server's in what is read only when a process starts (LD_PRELOAD, the
+allocator's and OpenMP's variables, PYTHON*, ...: `_forkable`) is started as a command, and so is
+the final training, which runs the user's script to its own end. The server reports each child's
+exit code; it ends when the tuner does (its requests pipe closes).
 
 Device runtimes (CUDA and the others) are not fork-safe, so on an accelerator the command is
 started as a new process; there an experiment's minutes make the 10 s small.
 """
 
+import atexit
 import json
 import os
 import queue
@@ -26,24 +33,34 @@ import threading
 import traceback
 from typing import Any, Dict, List, Optional, Union
 
+from mlautotune.measure import resident_file_pages
 from mlautotune.ops import accelerator_name
 
 RUNNER_MODULE = "deepspeed.launcher.runner"
 RUNNER_COMMAND = [sys.executable, "-u", "-m", RUNNER_MODULE]
 LAUNCH_MODULE = "deepspeed.launcher.launch"
 LAUNCH_COMMAND = [sys.executable, "-u", "-m", LAUNCH_MODULE]  # as runner.py builds it for the local node
+RANK_MODULE = "mlautotune.probe"
+RANK_COMMAND = [sys.executable, "-u", "-m", RANK_MODULE]  # as launch.py builds a rank's command with --module
+# read when a process starts (the loader, the allocator, OpenMP and MKL at their load, the interpreter):
+# a rank whose value differs from the server's cannot be a fork of it
+START_VARIABLES = ("LD_", "PYTHON", "MALLOC", "KMP_", "GOMP_", "OMP_", "MKL_", "DNNL_", "ONEDNN_", "TORCH_", "DS_ACCELERATOR")
+SET_BY_IMPORT = {"KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"}  # os.environ.setdefault in scikit-learn's import (DeepSpeed imports it): a new rank sets them too
+SET_IN_FORK = {"PYTHONPATH", "PYTHONUNBUFFERED", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCH_EXTENSIONS_DIR"}  # see _rank_main
 START_TIMEOUT_S = 120.0  # the server's import included
 
 _server: Optional["Server"] = None
 _server_lock = threading.Lock()
 
 
-def start(cmd: List[str], stdout: str, stderr: str, env: Dict[str, str]) -> "Process":
+def start(cmd: List[str], stdout: str, stderr: str, env: Dict[str, str], fork_ranks: bool = False) -> "Process":
     """Start `cmd` in a new process group, stdin from /dev/null and its output appended to the two
-    files; the runner command as a fork of the preloaded server on CPU."""
+    files; the runner command as a fork of the preloaded server on CPU, and with `fork_ranks` (a
+    tuning experiment, which the probe ends after its window) its local ranks as forks too."""
     server = _cpu_server() if cmd[:len(RUNNER_COMMAND)] == RUNNER_COMMAND else None
     if server is not None:
-        pid = server.fork({"argv": cmd[len(RUNNER_COMMAND):], "stdout": stdout, "stderr": stderr, "env": env, "cwd": os.getcwd()})
+        pid = server.fork({"argv": cmd[len(RUNNER_COMMAND):], "stdout": stdout, "stderr": stderr, "env": env, "cwd": os.getcwd(),
+                           "fork_ranks": fork_ranks})
         if pid is not None:
             return ForkedRunner(server, pid, cmd)
     with open(stdout, "a") as out, open(stderr, "a") as err:
@@ -159,7 +176,13 @@ def serve() -> None:
     for fd in (1, 2):  # DeepSpeed logs its accelerator on import
         os.dup2(devnull, fd)
     os.close(devnull)
+    global _SERVER_ENV, _SERVER_FILE_PAGES, _BASE_PATH
+    own = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    _BASE_PATH = [p for p in sys.path[1:] if os.path.abspath(p) not in own]  # without the server's folder and PYTHONPATH
     from deepspeed.launcher import launch, runner  # noqa: F401  the imports the children share
+
+    _SERVER_ENV = dict(os.environ)
+    _SERVER_FILE_PAGES = resident_file_pages()
 
     wake_r, wake_w = os.pipe()
     for fd in (wake_r, wake_w):
@@ -216,7 +239,7 @@ def _child(request: Dict[str, Any], server_fds: List[int]) -> None:
     def run() -> None:
         from deepspeed.launcher import runner
 
-        runner.subprocess = _ForkingLaunches()  # the runner's `subprocess.Popen(launch command)` forks it instead
+        runner.subprocess = _Forking(LAUNCH_COMMAND, lambda: _launch_main(request.get("fork_ranks", False)))  # launch.py: a fork
         runner.main(request["argv"])
 
     _run_module(RUNNER_MODULE, request["argv"], request["env"], run, setup)
@@ -254,34 +277,78 @@ def _run_module(module: str, argv: List[str], env: Dict[str, str], run, setup=No
         os._exit(code)
 
 
-class _ForkingLaunches:
-    """`subprocess` as runner.py sees it in a forked runner: its local launch command becomes a fork."""
+class _Forking:
+    """`subprocess` as runner.py or launch.py sees it in a fork: `command ...` becomes a fork of this
+    process running `run()` on the arguments and environment it was given (or a command as before)."""
+
+    def __init__(self, command: List[str], run, forkable=lambda env: True):
+        self.command, self.run, self.forkable = command, run, forkable
 
     def __getattr__(self, name: str) -> Any:
         return getattr(subprocess, name)
 
-    @staticmethod
-    def Popen(cmd, *args, **kwargs):
-        if list(cmd[:len(LAUNCH_COMMAND)]) == LAUNCH_COMMAND and not args and set(kwargs) <= {"env"}:
-            return ForkedLaunch(list(cmd[len(LAUNCH_COMMAND):]), kwargs.get("env") or dict(os.environ))
+    def Popen(self, cmd, *args, **kwargs):
+        env = kwargs.get("env") or dict(os.environ)
+        if list(cmd[:len(self.command)]) == self.command and not args and set(kwargs) <= {"env"} and self.forkable(env):
+            return Forked(self.command[-1], list(cmd[len(self.command):]), env, self.run)
         return subprocess.Popen(cmd, *args, **kwargs)
 
 
-def _launch_main() -> None:
+def _launch_main(fork_ranks: bool) -> None:
     from deepspeed.launcher import launch
 
+    if fork_ranks:
+        launch.subprocess = _Forking(RANK_COMMAND, _rank_main, _forkable)
     launch.main()
 
 
-class ForkedLaunch:
-    """launch.py forked from the runner (which has imported it), with the part of `subprocess.Popen`
-    that runner.py uses (pid, wait, returncode; send_signal for a multi-node pdsh launch, never forked)."""
+_SERVER_ENV: Dict[str, str] = {}  # the server's environment after its import (serve)
+_SERVER_FILE_PAGES: Dict[str, int] = {}  # and its resident file pages then, as a new rank's after the same import
+_BASE_PATH: List[str] = []  # its sys.path without what the folder and PYTHONPATH added
 
-    def __init__(self, argv: List[str], env: Dict[str, str]):
+
+def _forkable(env: Dict[str, str]) -> bool:
+    """A rank with this environment can be a fork of the server: nothing read at a process's start differs."""
+    return not [k for k in set(env) | set(_SERVER_ENV) if k.startswith(START_VARIABLES) and k not in SET_IN_FORK
+                and env.get(k) != _SERVER_ENV.get(k) and not (k in SET_BY_IMPORT and k not in env)]
+
+
+def _rank_main() -> None:
+    """A rank, as `python -u -m mlautotune.probe argv` would start: sys.path from its folder and
+    PYTHONPATH, torch's threads from OMP_NUM_THREADS (OpenMP read the server's at its load), numpy's
+    global random state reseeded (Python's own is, at every fork); at the end what an interpreter's
+    exit runs: its non-daemon threads joined and the atexit functions. Its peak RSS counts the library
+    pages a new interpreter would have (probe.PARENT_FILE_PAGES)."""
+    sys.path[:] = [os.getcwd(), *(os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p), *_BASE_PATH]
+    import numpy
+    import torch
+
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+    numpy.random.seed()
+    from mlautotune import probe
+
+    probe.PARENT_FILE_PAGES = _SERVER_FILE_PAGES
+    try:
+        probe.main(sys.argv[1:])
+    finally:
+        for thread in threading.enumerate():
+            if thread is not threading.main_thread() and not thread.daemon:
+                thread.join()
+        atexit._run_exitfuncs()
+
+
+class Forked:
+    """`module argv` in a fork of this process (which has imported what it needs), with the part of
+    `subprocess.Popen` that runner.py and launch.py use: pid, poll, wait, returncode; send_signal
+    (runner.py's, for a multi-node pdsh launch, which is never forked)."""
+
+    def __init__(self, module: str, argv: List[str], env: Dict[str, str], run):
         self.returncode: Optional[int] = None
         self.pid = os.fork()
         if self.pid == 0:
-            _run_module(LAUNCH_MODULE, argv, env, _launch_main)  # never returns: not even an error goes on in the runner's code
+            _run_module(module, argv, env, run)  # never returns: not even an error goes on in the parent's code
 
     def _reaped(self, flags: int) -> Optional[int]:
         if self.returncode is None:
