@@ -83,3 +83,4 @@ def test_a_rank_is_forked_only_when_nothing_read_at_a_process_start_differs(monk
     assert not runner_process._forkable({**rank, "MALLOC_ARENA_MAX": "2"})  # by the allocator, at the start
     assert not runner_process._forkable({**rank, "KMP_DUPLICATE_LIB_OK": "False"})  # set otherwise than the import does
     assert not runner_process._forkable({**rank, "PYTHONHASHSEED": "0"})
+    assert not runner_process._forkable({**rank, "MKL_NUM_THREADS": "4"})  # the fork sets OMP's count, for MKL too

@@ -81,8 +81,21 @@ def trials_of(study: optuna.Study, pid: int):
 
 
 def ranks_in(exp_dir: Path):
-    return [p for p in psutil.process_iter(["cmdline"]) if any(str(exp_dir) in a for a in p.info["cmdline"] or [])
-            and any(a.startswith("--local_rank") for a in p.info["cmdline"] or [])]
+    """The experiment's running ranks: new interpreters by their command line; forks of launch.py
+    (runner_process, on CPU) by the experiment's logs open in them and in their launcher's runner."""
+    def holds(p):
+        return p is not None and any(f.path.startswith(str(exp_dir)) for f in p.open_files())
+
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            cmdline = p.info["cmdline"] or []
+            if (any(str(exp_dir) in a for a in cmdline) and any(a.startswith("--local_rank") for a in cmdline)) or (
+                    holds(p) and p.parent() is not None and holds(p.parent().parent())):
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
 
 
 @pytest.mark.e2e

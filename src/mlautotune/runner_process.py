@@ -46,7 +46,7 @@ RANK_COMMAND = [sys.executable, "-u", "-m", RANK_MODULE]  # as launch.py builds 
 # a rank whose value differs from the server's cannot be a fork of it
 START_VARIABLES = ("LD_", "PYTHON", "MALLOC", "KMP_", "GOMP_", "OMP_", "MKL_", "DNNL_", "ONEDNN_", "TORCH_", "DS_ACCELERATOR")
 SET_BY_IMPORT = {"KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"}  # os.environ.setdefault in scikit-learn's import (DeepSpeed imports it): a new rank sets them too
-SET_IN_FORK = {"PYTHONPATH", "PYTHONUNBUFFERED", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCH_EXTENSIONS_DIR"}  # see _rank_main
+SET_IN_FORK = {"PYTHONPATH", "PYTHONUNBUFFERED", "OMP_NUM_THREADS", "TORCH_EXTENSIONS_DIR"}  # see _rank_main
 START_TIMEOUT_S = 120.0  # the server's import included
 
 _server: Optional["Server"] = None
