@@ -26,7 +26,7 @@ import threading
 import time
 
 from mlautotune import cpu_features, measure
-from mlautotune.lifeline import release_own_shared_memory
+from mlautotune.lifeline import release_own_shared_memory, release_shared_memory
 
 PROBE_START = time.time()  # before torch and deepspeed are imported: the start of "imports"
 
@@ -137,7 +137,8 @@ class Probe:
                 next_tuner_check = time.monotonic() + 1.0
                 if not process_is_alive(s["tuner_pid"], s["tuner_create_time"]) and os.getpgrp() != s["tuner_pgid"]:
                     print(f"mlautotune probe: tuner {s['tuner_pid']} is gone; ending the experiment", file=sys.stderr)
-                    release_own_shared_memory()
+                    if os.environ.get("MASTER_PORT"):  # every rank's on this host: the kill below may reach one before it removed its own
+                        release_shared_memory(os.environ["MASTER_PORT"])
                     os.killpg(os.getpgrp(), signal.SIGKILL)
             time.sleep(WATCH_INTERVAL_S)
 
