@@ -29,6 +29,12 @@ def tiny_experiment():
     return make
 
 
+def holds_file_under(p, folder: str) -> bool:
+    """Whether process p has a file under `folder` open (a rank forked by runner_process has the
+    server's command line, and the experiment's logs as its output)."""
+    return p is not None and any(f.path.startswith(folder) for f in p.open_files())
+
+
 @pytest.fixture
 def leftovers():
     """A function: what is left of an experiment (`text` is its folder, or any command-line text): the
@@ -42,7 +48,7 @@ def leftovers():
         for p in psutil.process_iter(["cmdline", "status"]):
             try:
                 if p.info["status"] != psutil.STATUS_ZOMBIE and (any(text in part for part in (p.info["cmdline"] or []))
-                                                                 or any(f.path.startswith(text) for f in p.open_files())):
+                                                                 or holds_file_under(p, text)):
                     found.append(p)
             except psutil.Error:
                 pass

@@ -19,7 +19,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
-from conftest import MAPPINGS, TINY_MODEL
+from conftest import MAPPINGS, TINY_MODEL, holds_file_under
 from test_bad_inputs import error_lines, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,15 +83,12 @@ def trials_of(study: optuna.Study, pid: int):
 def ranks_in(exp_dir: Path):
     """The experiment's running ranks: new interpreters by their command line; forks of launch.py
     (runner_process, on CPU) by the experiment's logs open in them and in their launcher's runner."""
-    def holds(p):
-        return p is not None and any(f.path.startswith(str(exp_dir)) for f in p.open_files())
-
     found = []
     for p in psutil.process_iter(["cmdline"]):
         try:
             cmdline = p.info["cmdline"] or []
             if (any(str(exp_dir) in a for a in cmdline) and any(a.startswith("--local_rank") for a in cmdline)) or (
-                    holds(p) and p.parent() is not None and holds(p.parent().parent())):
+                    holds_file_under(p, str(exp_dir)) and p.parent() is not None and holds_file_under(p.parent().parent(), str(exp_dir))):
                 found.append(p)
         except psutil.Error:
             pass
