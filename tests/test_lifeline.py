@@ -3,6 +3,7 @@
 A "remote rank" here is a real process that holds the lifeline as the probe does and sleeps; it must
 end when the tuner cuts the experiment's line, and when the tuner process itself dies (SIGKILL)."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import time
 
 import psutil
 
-from mlautotune.lifeline import Lifeline
+from mlautotune.lifeline import SHM_DIR, Lifeline
 
 RANK = textwrap.dedent("""
     import sys, time
@@ -27,6 +28,17 @@ TUNER = textwrap.dedent("""
     from mlautotune.lifeline import tuner_lifeline
     host, port = tuner_lifeline().address
     print(host, port, flush=True)
+    time.sleep(120)
+""")
+
+
+BUFFER_RANK = textwrap.dedent("""
+    import sys, time
+    from mlautotune.lifeline import hold
+    open(sys.argv[1], "wb").close()  # what DeepSpeed's shm all-reduce creates, and never removes
+    if len(sys.argv) > 2:
+        assert hold((sys.argv[2], int(sys.argv[3])), sys.argv[4])
+    print("holding", flush=True)
     time.sleep(120)
 """)
 
@@ -78,3 +90,26 @@ def test_ranks_end_when_the_tuner_is_killed():
     tuner.wait()
     assert ended_within(rank, 10)
     assert not psutil.pid_exists(rank.pid) or psutil.Process(rank.pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_the_rank_that_ends_its_experiment_removes_every_ranks_shared_memory_buffer_on_its_host():
+    """One rank sees the line cut and kills its group; its peer, killed before it could remove its own
+    all-reduce buffer, must not leave it behind (66 MiB of RAM per rank and experiment)."""
+    lifeline = Lifeline()
+    host, port = lifeline.address
+    master_port = str(50000 + os.getpid() % 10000)
+    buffers = [SHM_DIR / f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{master_port}_{r}" for r in (0, 1)]
+    env = lambda rank: {**os.environ, "MASTER_PORT": master_port, "RANK": str(rank)}
+    holder = subprocess.Popen([sys.executable, "-c", BUFFER_RANK, str(buffers[0]), host, str(port), "exp"],
+                              stdout=subprocess.PIPE, text=True, env=env(0), process_group=0)
+    peer = subprocess.Popen([sys.executable, "-c", BUFFER_RANK, str(buffers[1])], stdout=subprocess.PIPE, text=True, env=env(1),
+                            process_group=holder.pid)
+    try:
+        assert peer.stdout.readline().strip() == "holding" and holder.stdout.readline().strip() == "holding"
+        assert all(b.exists() for b in buffers)
+        lifeline.cut("exp")
+        assert ended_within(holder, 10) and ended_within(peer, 10)
+        assert [b for b in buffers if b.exists()] == []
+    finally:
+        for b in buffers:
+            b.unlink(missing_ok=True)

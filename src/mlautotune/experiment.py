@@ -22,7 +22,7 @@ from mlautotune import cpu_features, ops, probe, runner_process
 from mlautotune.config import MeasureConf
 from mlautotune.errors import UserError
 from mlautotune.files import atomic_write_json, atomic_write_text, inside, read_json
-from mlautotune.lifeline import release_shared_memory, tuner_lifeline
+from mlautotune.lifeline import group_members, release_shared_memory, tuner_lifeline
 from mlautotune.scriptargs import set_deepspeed_config, set_flag
 
 STATUSES = ("ok", "oom", "timeout", "failed", "incomplete")
@@ -200,19 +200,8 @@ def _end_group(proc: runner_process.Process, graceful: bool) -> None:
 def _wait_until_group_gone(pgid: int, timeout_s: float = 15.0) -> None:
     """SIGKILL is asynchronous: return only once no live process of the group is left (ranks are
     grandchildren, so waiting for the launcher alone is not enough)."""
-    import psutil
-
-    def alive() -> bool:
-        for p in psutil.process_iter(["status"]):
-            try:
-                if p.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(p.pid) == pgid:
-                    return True
-            except (ProcessLookupError, psutil.Error):
-                continue
-        return False
-
     deadline = time.monotonic() + timeout_s
-    while alive() and time.monotonic() < deadline:
+    while group_members(pgid) and time.monotonic() < deadline:
         time.sleep(0.05)
 
 

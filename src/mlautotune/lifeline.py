@@ -12,6 +12,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -108,9 +109,42 @@ def hold(address, name: str, on_cut: Optional[Callable[[], None]] = None) -> boo
     return True
 
 
-def end_own_group() -> None:
-    print("mlautotune probe: the tuner ended this experiment (or is gone); ending this rank's processes", file=sys.stderr, flush=True)
-    release_own_shared_memory()
+def group_members(pgid: int) -> list:
+    """The live (not zombie) processes of process group `pgid`."""
+    import psutil
+
+    members = []
+    for p in psutil.process_iter(["status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(p.pid) == pgid:
+                members.append(p)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return members
+
+
+def end_own_group(why: str = "the tuner ended this experiment (or is gone)") -> None:
+    """End this rank's experiment on this host, and every rank's shared-memory buffer here with it (a
+    rank killed by another cannot remove its own). The buffers are removed before the other processes
+    of the group are killed (this process may itself be ended meanwhile: a peer's death fails its
+    collective), and again once they are gone (one may have created its buffer in between)."""
+    import psutil
+
+    print(f"mlautotune probe: {why}; ending this rank's processes", file=sys.stderr, flush=True)
+    port = os.environ.get("MASTER_PORT")
+    if port:
+        release_shared_memory(port)
+    others = [p for p in group_members(os.getpgrp()) if p.pid != os.getpid()]
+    for p in others:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    deadline = time.monotonic() + 2.0
+    while [p for p in group_members(os.getpgrp()) if p.pid != os.getpid()] and time.monotonic() < deadline:
+        time.sleep(0.01)  # killed, not yet gone (a zombie counts as gone)
+    if port:
+        release_shared_memory(port)
     os.killpg(os.getpgrp(), signal.SIGKILL)
 
 

@@ -18,7 +18,6 @@ import math
 import os
 import resource
 import runpy
-import signal
 import socket
 import statistics
 import sys
@@ -26,7 +25,7 @@ import threading
 import time
 
 from mlautotune import cpu_features, measure
-from mlautotune.lifeline import release_own_shared_memory, release_shared_memory
+from mlautotune.lifeline import end_own_group, release_own_shared_memory
 
 PROBE_START = time.time()  # before torch and deepspeed are imported: the start of "imports"
 
@@ -136,10 +135,7 @@ class Probe:
             if watch_tuner and time.monotonic() > next_tuner_check:
                 next_tuner_check = time.monotonic() + 1.0
                 if not process_is_alive(s["tuner_pid"], s["tuner_create_time"]) and os.getpgrp() != s["tuner_pgid"]:
-                    print(f"mlautotune probe: tuner {s['tuner_pid']} is gone; ending the experiment", file=sys.stderr)
-                    if os.environ.get("MASTER_PORT"):  # every rank's on this host: the kill below may reach one before it removed its own
-                        release_shared_memory(os.environ["MASTER_PORT"])
-                    os.killpg(os.getpgrp(), signal.SIGKILL)
+                    end_own_group(f"tuner {s['tuner_pid']} is gone")
             time.sleep(WATCH_INTERVAL_S)
 
     # Hooks called from the patched engine.
