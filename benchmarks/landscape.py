@@ -10,17 +10,24 @@ Two kinds:
   and its noise. Every measurement, re-measurements included, is a fresh noisy draw (seeded by
   the runner's seed); the noise-free values are `true_<metric>`. Points outside the stored grid
   (another micro-batch or gas) come from the same model.
-- recorded on CPU (benchmarks/record.py): one measurement per point and no noise model, so a
-  re-measurement returns the recorded value again, and the recorded value is the "true" one.
+- recorded on CPU (benchmarks/record.py): no noise model. A point recorded once returns its
+  value again at every re-measurement, and that value counts as the "true" one. A point recorded
+  several times (`record.py --repeats N`) keeps every measurement in `draws`; its `metrics` are
+  their medians, the "true" values. Each measurement of it is then one of
+  its recorded draws, chosen by the runner's seeded generator: the machine's own noise, window
+  intervals and disturbed flags included.
   A micro-batch between recorded ones is interpolated (`interpolation`): step time, peak memory
   and wall time linear in the micro-batch between the two recorded neighbours with the same
   stage and knobs (extrapolated from the last two beyond the largest that ran), OOM at or above a
   recorded OOM or where the peak passes the limit. A gas other than the recorded one keeps the
-  samples/s of the recorded gas (the step takes gas times as long).
+  samples/s of the recorded gas (the step takes gas times as long). Its noise is a draw of the
+  nearest recorded micro-batch's, as a ratio to that point's median.
 """
 
 import json
+import math
 import random
+import statistics
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -32,7 +39,33 @@ def key(params: Dict[str, Any]) -> str:
 
 
 def load(path: Path) -> Dict[str, Any]:
-    return json.loads(Path(path).read_text())
+    landscape = json.loads(Path(path).read_text())
+    for point in landscape.get("points", []):
+        settle(point)
+    return landscape
+
+
+SETTLED = ("throughput", "latency", "step_time_median_ms", "FLOPS_per_gpu", "peak_memory_bytes")  # medians over the draws
+WINDOW = ("interval_rel", "step_time_spread", "step_time_shift", "disturbed", "target_reached", "measured_steps", "warmup_steps",
+          "measure_seconds")  # what a draw says about its own measurement
+
+
+def ok_draws(point: Dict[str, Any]) -> List[Dict[str, Any]]:
+    return [d for d in point.get("draws", []) if d["status"] == "ok"]
+
+
+def settle(point: Dict[str, Any]) -> None:
+    """A point recorded several times: its metrics and wall time become the medians over its ok draws
+    (the values the replay scores against, as it does a point recorded once)."""
+    draws = ok_draws(point)
+    if point["status"] != "ok" or len(draws) < 2:
+        return
+    metrics = dict(draws[0]["metrics"])
+    for k in SETTLED:
+        if all(k in d["metrics"] for d in draws):
+            metrics[k] = statistics.median(d["metrics"][k] for d in draws)
+    point["metrics"] = metrics
+    point["wall_time_s"] = statistics.median(d["wall_time_s"] for d in draws)
 
 
 def save(path: Path, landscape: Dict[str, Any]) -> None:
@@ -81,10 +114,26 @@ class LandscapeRunner:
             import gpu_model
 
             metrics = gpu_model.noisy(metrics, self.rng)
+        elif status == "ok":
+            metrics = self.recorded_draw(params, metrics)
         self.wall_time_s += wall
         self.log.append({"params": dict(params), "status": status, "value": self.true_value(params), "wall_time_s": wall,
                          **({} if self.clock is None else {"end_s": self.clock})})
         return status, metrics, wall
+
+    def recorded_draw(self, params: Dict[str, Any], metrics: Dict[str, Any]) -> Dict[str, Any]:
+        """One of the recorded draws of the nearest recorded micro-batch with these knobs (and gas), as a
+        ratio to that point's median: the point's own draw where it was recorded."""
+        same = [p for p in self.landscape["points"] if knobs_of(p["params"]) == knobs_of(params) and p["status"] == "ok"]
+        near = min(same, default=None, key=lambda p: (abs(math.log(p["params"]["micro_batch"] / params["micro_batch"])), p["params"]["micro_batch"]))
+        if near is None or len(ok_draws(near)) < 2:
+            return metrics  # recorded once: its value every time
+        draw = self.rng.choice(ok_draws(near))["metrics"]
+        ratio = draw["throughput"] / near["metrics"]["throughput"]
+        scaled = {k: metrics[k] * ratio for k in ("throughput", "FLOPS_per_gpu") if k in metrics}
+        scaled.update({k: metrics[k] / ratio for k in ("latency", "step_time_median_ms") if k in metrics})
+        window = {k: draw[k] for k in WINDOW if k in draw}
+        return {**metrics, **window, **scaled}
 
     @property
     def calls(self) -> int:

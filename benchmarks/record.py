@@ -1,7 +1,7 @@
 """Record a landscape: run a tuning plan's whole grid on a real workload through the product's own
 session and runner (DeepSpeed launcher, probe, memory limit), one experiment at a time.
 
-    python benchmarks/record.py OUT.json --micro-batches 1,2,4,8,16,32 [--name NAME] [--keep DIR] -- HYDRA_OVERRIDES...
+    python benchmarks/record.py OUT.json --micro-batches 1,2,4,8,16,32 [--repeats N] [--name NAME] [--keep DIR] -- HYDRA_OVERRIDES...
 
     e.g. python benchmarks/record.py benchmarks/landscapes/cpu_gpt-0.9M_fast.json --micro-batches 1,2,4,8,16,24,32,48 \
              -- config=benchmarks/configs/cpu_gpt-0.9M_fast.json launcher.num_gpus=2
@@ -12,6 +12,12 @@ mode, each combination of the stage's knobs (fast mode: DeepSpeed's defaults), o
 A stage stops at the first micro-batch where nothing fits: larger ones are OOMs by definition.
 Points are saved after every experiment, and a rerun skips the points already in OUT.json, so an
 interrupted recording resumes.
+
+`--repeats N`: every point that ran is measured N times in all, in N passes over the grid (so a
+slow spell of the machine spreads over many points instead of one point's repeats). The point keeps
+each measurement in `draws`, and its metrics are their medians (`landscape.settle`): the replay
+scores against those and hands out the draws as measurements. A rerun with a larger N adds the
+missing repeats.
 """
 
 import argparse
@@ -24,7 +30,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 
 sys.path.insert(0, str(Path(__file__).parent))
-from landscape import key, load, save  # noqa: E402
+from landscape import key, load, save, settle  # noqa: E402
 from mlautotune.experiment import prepare  # noqa: E402
 from mlautotune.config import register_configs  # noqa: E402
 from mlautotune.search import base_params, product  # noqa: E402
@@ -66,6 +72,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--micro-batches", required=True, help="ascending micro-batch sizes to record, comma-separated")
+    ap.add_argument("--repeats", type=int, default=1, help="measurements per point (default 1)")
     ap.add_argument("--name", help="landscape name (default: OUT's file name)")
     ap.add_argument("--keep", type=Path, metavar="DIR", help="keep the experiment folders here (default: a temporary folder, removed at the end)")
     argv = sys.argv[1:]
@@ -87,31 +94,44 @@ def record(args: argparse.Namespace, micro_batches: list, scratch: Path) -> None
     done = {key(p["params"]): p for p in land["points"]}
     started = time.monotonic()
     ran = 0
+
+    def run(params: dict) -> dict:
+        nonlocal ran
+        result = session.run(session.make_experiment(params))
+        ran += 1
+        print(
+            f"[{time.monotonic() - started:6.0f}s] {result.name}: {result.status} "
+            f"{result.metrics.get('throughput', 0):8.1f} samples/s  peak {result.metrics.get('peak_memory_bytes', 0) / 2**20:7.0f} MiB  "
+            f"wall {result.wall_time_s:.1f} s",
+            flush=True,
+        )
+        draw = {"status": result.status, "metrics": result.metrics, "wall_time_s": result.wall_time_s}
+        return {**draw, "reason": result.reason.strip()[-300:]} if result.status != "ok" else draw
+
     for stage in session.plan.stages:
         for mbs in micro_batches:
             fitted = False
             for params in grid(session.plan, stage, mbs):
                 point = done.get(key(params))
                 if point is None:
-                    result = session.run(session.make_experiment(params))
-                    point = {"params": params, "status": result.status, "metrics": result.metrics, "wall_time_s": result.wall_time_s}
-                    if result.status != "ok":
-                        point["reason"] = result.reason.strip()[-300:]
+                    point = {"params": params, **run(params)}
                     land["points"].append(point)
                     done[key(params)] = point
                     save(args.out, land)
-                    ran += 1
-                    print(
-                        f"[{time.monotonic() - started:6.0f}s] {result.name}: {result.status} "
-                        f"{result.metrics.get('throughput', 0):8.1f} samples/s  peak {result.metrics.get('peak_memory_bytes', 0) / 2**20:7.0f} MiB  "
-                        f"wall {result.wall_time_s:.1f} s",
-                        flush=True,
-                    )
                 fitted |= point["status"] == "ok"
             if not fitted:
                 break
+    for repeat in range(2, args.repeats + 1):  # passes over the points that ran
+        land["repeats"] = max(land.get("repeats", 1), args.repeats)
+        for point in land["points"]:
+            if point["status"] != "ok":
+                continue
+            point.setdefault("draws", [{k: point[k] for k in ("status", "metrics", "wall_time_s")}])
+            if len(point["draws"]) < repeat:
+                point["draws"].append(run(point["params"]))
+                settle(point)
+                save(args.out, land)
     print(f"{args.out}: {len(land['points'])} points ({ran} run now, {len(session.plan.stages) * len(micro_batches)} stage x micro-batch cells at most)")
-
 
 if __name__ == "__main__":
     main()

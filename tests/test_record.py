@@ -43,9 +43,17 @@ def test_record_runs_the_grid_stops_a_stage_at_its_oom_and_resumes(tmp_path):
     assert land["source"] == "recorded" and land["world_size"] == 2 and land["plan"]["stages"] == [1]
     assert len(list(kept.rglob("exp.json"))) == 3  # --keep: the experiment folders stay there
 
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0 and "(0 run now" in again.stdout
-    assert len(load(out)["points"]) == 3
+    # A rerun resumes: nothing recorded is run again; --repeats 2 measures each point that ran once more.
+    again = subprocess.run(cmd[:3] + ["--repeats", "2"] + cmd[3:], capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "(2 run now" in again.stdout, again.stderr[-2000:]
+    land = load(out)
+    assert len(land["points"]) == 3 and land["repeats"] == 2
+    for p in land["points"]:
+        draws = [d["metrics"]["throughput"] for d in p.get("draws", [])]
+        assert len(draws) == (2 if p["status"] == "ok" else 0)
+        if draws:  # the first draw is the first pass's measurement; the point's value is their median
+            assert draws[0] == got[p["params"]["micro_batch"]]["metrics"]["throughput"]
+            assert p["metrics"]["throughput"] == pytest.approx(sum(draws) / 2)
 
     # The product search replayed on it: micro-batches between the recorded ones are interpolated,
     # and an interpolated point is ok exactly when its peak fits the limit.

@@ -14,7 +14,7 @@ sys.path.insert(0, str(BENCH))
 import gpu_model  # noqa: E402
 import replay  # noqa: E402
 import tables  # noqa: E402
-from landscape import LandscapeRunner, interpolation, load  # noqa: E402
+from landscape import LandscapeRunner, interpolation, load, save  # noqa: E402
 
 MIDPEAK = "gpu_midpeak_gpt2-medium_8xA100-40GB_bf16"
 BIG = "gpu_10b_only-z3_16xA100-40GB_fp16"
@@ -124,11 +124,38 @@ def test_every_measurement_is_a_fresh_seeded_draw_within_3_percent(lands):
     assert len(runner.log) == 20 and runner.wall_time_s == pytest.approx(20 * runner.log[0]["wall_time_s"])
 
 
-def test_recorded_landscapes_have_no_noise_model_and_return_the_recorded_value():
-    land = load(BENCH / "landscapes" / "cpu_gpt-0.9M_fast.json")
-    point = next(p for p in land["points"] if p["status"] == "ok")
+def test_a_point_recorded_once_returns_its_recorded_value_at_every_measurement():
+    land = {"world_size": 2, "memory_limit_bytes": 2**40, "points": [recorded_point(4, step_ms=100, peak=1), recorded_point(8, step_ms=180, peak=1)]}
     runner = LandscapeRunner(land, seed=3)
-    assert runner.measure(point["params"])[1]["throughput"] == runner.measure(point["params"])[1]["throughput"] == point["metrics"]["throughput"]
+    params = land["points"][0]["params"]
+    assert runner.measure(params)[1]["throughput"] == runner.measure(params)[1]["throughput"] == land["points"][0]["metrics"]["throughput"]
+    assert runner.true_value(params) == land["points"][0]["metrics"]["throughput"]
+
+
+def test_a_point_recorded_several_times_is_scored_by_its_median_and_measured_as_one_of_its_draws(tmp_path):
+    """record.py --repeats: the truth is the median of the recorded measurements, and each replayed
+    measurement is one of them (with its own interval), or, between recorded sizes, the nearest one's
+    deviation from its median."""
+    def draw(step_ms, interval):
+        p = recorded_point(4, step_ms=step_ms, peak=500)
+        return {"status": "ok", "metrics": {**p["metrics"], "interval_rel": interval}, "wall_time_s": step_ms / 10}
+    four = {**recorded_point(4, step_ms=100, peak=500), "draws": [draw(100, 0.01), draw(80, 0.02), draw(125, 0.03), {"status": "oom", "metrics": {}, "wall_time_s": 1.0}]}
+    eight = recorded_point(8, step_ms=180, peak=700)
+    path = tmp_path / "land.json"
+    save(path, {"world_size": 2, "memory_limit_bytes": 2**40, "points": [four, eight]})
+    land = load(path)
+    params = four["params"]
+    runner = LandscapeRunner(land, seed=5)
+    assert runner.true_value(params) == pytest.approx(8 / 0.100) and land["points"][0]["wall_time_s"] == pytest.approx(10.0)
+    got = [runner.measure(params)[1] for _ in range(40)]
+    assert {round(m["throughput"], 6) for m in got} == {round(8 / t, 6) for t in (0.100, 0.080, 0.125)}
+    assert all(m["interval_rel"] == {80.0: 0.01, 100.0: 0.02, 64.0: 0.03}[round(m["throughput"], 6)] for m in got)
+    assert [m["throughput"] for m in (LandscapeRunner(land, seed=5).measure(params)[1] for _ in range(1))] == [got[0]["throughput"]]
+    between = {**params, "micro_batch": 5}  # nearer 4 than 8: 4's deviations from its median, on the interpolated truth
+    truth = runner.true_value(between)
+    ratios = {round(runner.measure(between)[1]["throughput"] / truth, 6) for _ in range(40)}
+    assert ratios == {1.0, 0.8, 1.25}
+    assert LandscapeRunner(land, seed=5).measure(eight["params"])[1]["throughput"] == eight["metrics"]["throughput"]  # recorded once
 
 
 def recorded_point(mbs, status="ok", step_ms=None, peak=None, stage=1):
