@@ -15,7 +15,7 @@ Two kinds:
   several times (`record.py --repeats N`) keeps every measurement in `draws`; its `metrics` are
   their medians, the "true" values. Each measurement of it is then one of
   its recorded draws, chosen by the runner's seeded generator: the machine's own noise, window
-  intervals and disturbed flags included.
+  intervals, disturbed flags and an OOM near the memory edge included.
   A micro-batch between recorded ones is interpolated (`interpolation`): step time, peak memory
   and wall time linear in the micro-batch between the two recorded neighbours with the same
   stage and knobs (extrapolated from the last two beyond the largest that ran), OOM at or above a
@@ -115,25 +115,29 @@ class LandscapeRunner:
 
             metrics = gpu_model.noisy(metrics, self.rng)
         elif status == "ok":
-            metrics = self.recorded_draw(params, metrics)
+            status, metrics = self.recorded_draw(params, metrics)
         self.wall_time_s += wall
-        self.log.append({"params": dict(params), "status": status, "value": self.true_value(params), "wall_time_s": wall,
+        self.log.append({"params": dict(params), "status": status, "value": self.true_value(params) if status == "ok" else None, "wall_time_s": wall,
                          **({} if self.clock is None else {"end_s": self.clock})})
         return status, metrics, wall
 
-    def recorded_draw(self, params: Dict[str, Any], metrics: Dict[str, Any]) -> Dict[str, Any]:
-        """One of the recorded draws of the nearest recorded micro-batch with these knobs (and gas), as a
-        ratio to that point's median: the point's own draw where it was recorded."""
+    def recorded_draw(self, params: Dict[str, Any], metrics: Dict[str, Any]) -> Tuple[str, Dict[str, Any]]:
+        """One of the recorded draws of the point, an OOM near the memory edge included; between recorded
+        sizes, an ok draw of the nearest recorded micro-batch with these knobs (and gas), as a ratio to
+        that point's median."""
         same = [p for p in self.landscape["points"] if knobs_of(p["params"]) == knobs_of(params) and p["status"] == "ok"]
         near = min(same, default=None, key=lambda p: (abs(math.log(p["params"]["micro_batch"] / params["micro_batch"])), p["params"]["micro_batch"]))
         if near is None or len(ok_draws(near)) < 2:
-            return metrics  # recorded once: its value every time
-        draw = self.rng.choice(ok_draws(near))["metrics"]
+            return "ok", metrics  # recorded once: its value every time
+        draw = self.rng.choice(near["draws"] if near["params"] == params else ok_draws(near))
+        if draw["status"] != "ok":
+            return draw["status"], draw["metrics"]
+        draw = draw["metrics"]
         ratio = draw["throughput"] / near["metrics"]["throughput"]
         scaled = {k: metrics[k] * ratio for k in ("throughput", "FLOPS_per_gpu") if k in metrics}
         scaled.update({k: metrics[k] / ratio for k in ("latency", "step_time_median_ms") if k in metrics})
         window = {k: draw[k] for k in WINDOW if k in draw}
-        return {**metrics, **window, **scaled}
+        return "ok", {**metrics, **window, **scaled}
 
     @property
     def calls(self) -> int:

@@ -7,7 +7,10 @@ micro-batch 8, torch's Adam) `--repeats` times through the product's run_experim
 interleaving the measurements of --methods:
   fixed     the window start_profile_step..end_profile_step (3..5) as before, torch's default threads;
   adaptive  conf's measure settings (warm-up, target interval, budget) and cores / ranks threads;
-  pinned    adaptive, and each rank pinned to its own share of the cores (what a session does by default).
+  pinned    adaptive, and each rank pinned to its own share of the cores (what a session does by default);
+  unforked  pinned, with the ranks started as new interpreters instead of forks of the preloaded
+            runner (PYTHONHASHSEED=random, which changes nothing else, is read at a process's start,
+            so `runner_process._forkable` starts them as commands).
 With --busy, every repeat is measured twice more with a CPU-bound process beside the experiment,
 and each busy repeat is checked against the quiet median: within 5% of it, or flagged disturbed.
 Prints, per method and condition: the throughputs, their CV, the median wall seconds per
@@ -42,10 +45,13 @@ def experiment(method: str, stage: int, mbs: int, steps: int) -> Experiment:
     ds_config.update(train_micro_batch_size_per_gpu=mbs, gradient_accumulation_steps=1, zero_optimization={"stage": stage})
     ds_config["optimizer"]["params"]["torch_adam"] = True  # torch's Adam: no JIT-built op whose (re)build would enter the wall time
     adaptive = method != "fixed"
+    env = thread_env("cpu", RANKS, [], pin=method in ("pinned", "unforked")) if adaptive else {}
+    if method == "unforked":
+        env["PYTHONHASHSEED"] = "random"
     return Experiment(name=f"{method}_z{stage}_mbs{mbs}", ds_config=ds_config, script=str(GPT_SCRIPT), script_args=["--steps", str(steps)],
                       resources=Resources(num_gpus=RANKS, master_port=MASTER_PORT), params={"stage": stage, "micro_batch": mbs, "gas": 1}, timeout_s=600,
                       measure={**asdict(MeasureConf()), "adaptive": adaptive},
-                      env=thread_env("cpu", RANKS, [], pin=method == "pinned") if adaptive else {})
+                      env=env)
 
 
 def measure_once(exp: Experiment, work: Path, busy: bool) -> dict:
@@ -102,7 +108,7 @@ def main() -> None:
     p.add_argument("--stage", type=int, default=1)
     p.add_argument("--mbs", type=int, default=8)
     p.add_argument("--steps", type=int, default=200, help="the script's optimizer steps (the adaptive window stops the ranks earlier)")
-    p.add_argument("--methods", default="fixed,adaptive,pinned", help="which of fixed, adaptive, pinned (adaptive, each rank on its own cores)")
+    p.add_argument("--methods", default="fixed,adaptive,pinned", help="which of fixed, adaptive, pinned (adaptive, each rank on its own cores), unforked (pinned, ranks as new interpreters)")
     p.add_argument("--json", metavar="OUT", help="write the rows and the summary as JSON")
     args = p.parse_args()
 

@@ -4,12 +4,12 @@ and a model of DeepSpeed's own autotuner (ds_baseline.py), against landscapes.
     python benchmarks/replay.py [LANDSCAPE.json ...] [--seeds 5] [--workers 1,2,4] [--json OUT.json]
 
 Without landscapes, every file in benchmarks/landscapes/. The product runs with its own defaults
-(conf/: remeasure 2, tuner_early_stopping 5, tuner_num_trials 50, ...), once per tuner type
+(conf/: remeasure 1, tuner_early_stopping 5, tuner_num_trials 50, ...), once per tuner type
 (model_based, gridsearch, random) and seed. On GPU-like landscapes every measurement, each
-re-measurement included, is a fresh noisy draw (seeded); recorded CPU landscapes have no noise
-model, so a re-measurement returns the recorded value.
+re-measurement included, is a fresh noisy draw (seeded); on recorded CPU landscapes it is one of
+the point's recorded draws (seeded), or its one recorded value if it was measured once.
 
-Scored against the noise-free value (`true_<metric>`; the recorded value on CPU landscapes):
+Scored against the noise-free value (`true_<metric>`; on CPU landscapes the median of a point's draws):
 - to95 / to99: the experiments run until one of them is within 95% / 99% of the landscape's best
   (null: never);
 - regret: 1 - true value of the declared optimum / best (1.0 when nothing is declared);
@@ -141,7 +141,8 @@ def main():
         records += score(runs, grid_best(land))
         print(tables.landscape_table(records, land["name"]), flush=True)
         if not noisy(land):
-            print("\n(recorded landscape: no noise model; every measurement, re-measurements included, returns the recorded value)")
+            print(f"\n(recorded landscape: {land.get('repeats', 1)} recorded measurement(s) per point; its value is their median, and each "
+                  "measurement in the replay is one of them)")
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1))
     print(tables.targets(records))
