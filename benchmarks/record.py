@@ -121,8 +121,9 @@ def record(args: argparse.Namespace, micro_batches: list, scratch: Path) -> None
                 fitted |= point["status"] == "ok"
             if not fitted:
                 break
-    for repeat in range(2, args.repeats + 1):  # passes over the points that ran
+    if args.repeats > 1:
         land["repeats"] = max(land.get("repeats", 1), args.repeats)
+    for repeat in range(2, args.repeats + 1):  # passes over the points that ran
         for point in land["points"]:
             if point["status"] != "ok":
                 continue

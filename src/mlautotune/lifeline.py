@@ -134,14 +134,16 @@ def end_own_group(why: str = "the tuner ended this experiment (or is gone)") -> 
     port = os.environ.get("MASTER_PORT")
     if port:
         release_shared_memory(port)
-    others = [p for p in group_members(os.getpgrp()) if p.pid != os.getpid()]
-    for p in others:
+    def others() -> list:
+        return [p for p in group_members(os.getpgrp()) if p.pid != os.getpid()]
+
+    for p in others():
         try:
             p.kill()
         except psutil.Error:
             pass
     deadline = time.monotonic() + 2.0
-    while [p for p in group_members(os.getpgrp()) if p.pid != os.getpid()] and time.monotonic() < deadline:
+    while others() and time.monotonic() < deadline:
         time.sleep(0.01)  # killed, not yet gone (a zombie counts as gone)
     if port:
         release_shared_memory(port)
