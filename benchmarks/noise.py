@@ -11,6 +11,7 @@ interleaving the measurements of --methods:
   unforked  pinned, with the ranks started as new interpreters instead of forks of the preloaded
             runner (PYTHONHASHSEED=random, which changes nothing else, is read at a process's start,
             so `runner_process._forkable` starts them as commands).
+A method may name another measuring budget than conf's: `pinned@9` is pinned with measure.budget_s=9.
 With --busy, every repeat is measured twice more with a CPU-bound process beside the experiment,
 and each busy repeat is checked against the quiet median: within 5% of it, or flagged disturbed.
 Prints, per method and condition: the throughputs, their CV, the median wall seconds per
@@ -40,7 +41,8 @@ CLOSE = 0.05  # a busy repeat within 5% of the quiet median needs no flag
 BUSY_LOOP = "while True:\n    pass\n"
 
 
-def experiment(method: str, stage: int, mbs: int, steps: int) -> Experiment:
+def experiment(spec: str, stage: int, mbs: int, steps: int) -> Experiment:
+    method, _, budget = spec.partition("@")
     ds_config = {k: v for k, v in read_json(BUNDLED_CONFIG).items() if k != "autotuning"}
     ds_config.update(train_micro_batch_size_per_gpu=mbs, gradient_accumulation_steps=1, zero_optimization={"stage": stage})
     ds_config["optimizer"]["params"]["torch_adam"] = True  # torch's Adam: no JIT-built op whose (re)build would enter the wall time
@@ -48,9 +50,10 @@ def experiment(method: str, stage: int, mbs: int, steps: int) -> Experiment:
     env = thread_env("cpu", RANKS, [], pin=method in ("pinned", "unforked")) if adaptive else {}
     if method == "unforked":
         env["PYTHONHASHSEED"] = "random"
-    return Experiment(name=f"{method}_z{stage}_mbs{mbs}", ds_config=ds_config, script=str(GPT_SCRIPT), script_args=["--steps", str(steps)],
+    measure = {**asdict(MeasureConf()), "adaptive": adaptive, **({"budget_s": float(budget)} if budget else {})}
+    return Experiment(name=f"{spec}_z{stage}_mbs{mbs}", ds_config=ds_config, script=str(GPT_SCRIPT), script_args=["--steps", str(steps)],
                       resources=Resources(num_gpus=RANKS, master_port=MASTER_PORT), params={"stage": stage, "micro_batch": mbs, "gas": 1}, timeout_s=600,
-                      measure={**asdict(MeasureConf()), "adaptive": adaptive},
+                      measure=measure,
                       env=env)
 
 
@@ -108,7 +111,7 @@ def main() -> None:
     p.add_argument("--stage", type=int, default=1)
     p.add_argument("--mbs", type=int, default=8)
     p.add_argument("--steps", type=int, default=200, help="the script's optimizer steps (the adaptive window stops the ranks earlier)")
-    p.add_argument("--methods", default="fixed,adaptive,pinned", help="which of fixed, adaptive, pinned (adaptive, each rank on its own cores), unforked (pinned, ranks as new interpreters)")
+    p.add_argument("--methods", default="fixed,adaptive,pinned", help="which of fixed, adaptive, pinned (adaptive, each rank on its own cores), unforked (pinned, ranks as new interpreters); METHOD@S measures for S seconds (measure.budget_s)")
     p.add_argument("--json", metavar="OUT", help="write the rows and the summary as JSON")
     args = p.parse_args()
 
