@@ -16,6 +16,9 @@ With --busy, every repeat is measured twice more with a CPU-bound process beside
 and each busy repeat is checked against the quiet median: within 5% of it, or flagged disturbed.
 Prints, per method and condition: the throughputs, their CV, the median wall seconds per
 experiment, the seconds the adaptive window adds, and how many repeats were flagged disturbed.
+With --calibrate, each quiet repeat is preceded by fixed matmuls timed on the ranks' cores (the
+machine's own speed, which shares nothing with the experiment), and the CV of throughput over that
+speed is printed beside the raw CV: how much of the spread is the machine drifting between repeats.
 """
 
 import argparse
@@ -39,6 +42,20 @@ RANKS = 2
 MASTER_PORT = 39500  # off the default 29500 that sessions on the same machine start from
 CLOSE = 0.05  # a busy repeat within 5% of the quiet median needs no flag
 BUSY_LOOP = "while True:\n    pass\n"
+# The machine's own speed, independent of the experiment: one process per rank's core share, each
+# pinned there with one thread, times the same float32 matmuls for CALIBRATION_S; GFLOP/s summed.
+CALIBRATION_S = 2.0
+CALIBRATION = """
+import os, sys, time, torch
+os.sched_setaffinity(0, {int(sys.argv[1])})
+torch.set_num_threads(1)
+a, b = torch.rand(256, 256), torch.rand(256, 256)
+n, end = 0, time.perf_counter() + float(sys.argv[2])
+while time.perf_counter() < end:
+    a @ b
+    n += 1
+print(n * 2 * 256 ** 3 / float(sys.argv[2]) / 1e9)
+"""
 
 
 def experiment(spec: str, stage: int, mbs: int, steps: int) -> Experiment:
@@ -57,7 +74,8 @@ def experiment(spec: str, stage: int, mbs: int, steps: int) -> Experiment:
                       env=env)
 
 
-def measure_once(exp: Experiment, work: Path, busy: bool) -> dict:
+def measure_once(exp: Experiment, work: Path, busy: bool, calibrate: bool = False) -> dict:
+    speed = machine_speed() if calibrate and not busy else None
     hog = subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) if busy else None
     try:
         result = run_experiment(exp, work)
@@ -67,14 +85,22 @@ def measure_once(exp: Experiment, work: Path, busy: bool) -> dict:
             hog.wait()
     m = result.metrics
     row = {"status": result.status, "wall_s": result.wall_time_s, "throughput": m.get("throughput"), "interval_rel": m.get("interval_rel"),
+           "machine_gflops": speed,
            "disturbed": m.get("disturbed"), "measured_steps": m.get("measured_steps"), "warmup_steps": m.get("warmup_steps"),
            **{k: m.get(k) for k in ("measure_seconds", "target_reached", "step_time_shift", "cpu_wait_share", "thread_wait_share",
                                     "threads_per_rank", "step_times_ms")}}
     print(f"  {exp.name:<22} {'busy ' if busy else 'quiet'} {result.status:<10} {row['throughput'] or 0:8.2f} samples/s  "
           f"+-{100 * (row['interval_rel'] or 0):5.1f}%  steps {row['measured_steps']}  wall {result.wall_time_s:5.1f} s  "
           f"cpu wait {row['thread_wait_share'] or 0:.2f} (all threads {row['cpu_wait_share'] or 0:.2f})"
-          f"{'  DISTURBED' if row['disturbed'] else ''}", flush=True)
+          f"{'  DISTURBED' if row['disturbed'] else ''}{f'  machine {speed:.1f} GFLOP/s' if speed else ''}", flush=True)
     return row
+
+
+def machine_speed() -> float:
+    """GFLOP/s of the calibration matmuls, one pinned process per core at once (as the ranks run)."""
+    cores = sorted(os.sched_getaffinity(0))[:RANKS]
+    procs = [subprocess.Popen([sys.executable, "-c", CALIBRATION, str(c), str(CALIBRATION_S)], stdout=subprocess.PIPE, text=True) for c in cores]
+    return sum(float(p.communicate()[0]) for p in procs)
 
 
 def cv(values) -> float:
@@ -99,6 +125,10 @@ def summarise(rows: list, quiet_median=None) -> dict:
          "median_cpu_wait": statistics.median(r["thread_wait_share"] or 0.0 for r in ok) if ok else None}
     if len(tps) > 1:
         s["cv_90pct_range"] = cv_range(s["cv"], len(tps))
+    speeds = [r["machine_gflops"] for r in ok if r.get("machine_gflops")]
+    if len(speeds) == len(ok) > 1:  # each throughput over the machine's speed just before it: what is left without the drift
+        s["machine_cv"] = cv(speeds)
+        s["cv_drift_corrected"] = cv([t / g for t, g in zip(tps, speeds)])
     if quiet_median:
         s["within_5pct_or_flagged"] = sum(abs(r["throughput"] / quiet_median - 1) <= CLOSE or bool(r["disturbed"]) for r in ok)
     return s
@@ -113,6 +143,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200, help="the script's optimizer steps (the adaptive window stops the ranks earlier)")
     p.add_argument("--methods", default="fixed,adaptive,pinned", help="which of fixed, adaptive, pinned (adaptive, each rank on its own cores), unforked (pinned, ranks as new interpreters); METHOD@S measures for S seconds (measure.budget_s)")
     p.add_argument("--json", metavar="OUT", help="write the rows and the summary as JSON")
+    p.add_argument("--calibrate", action="store_true", help=f"before each quiet repeat, time fixed matmuls ({CALIBRATION_S:g} s, one pinned "
+                   "process per rank) for the machine's own speed, and report the CV with that drift divided out")
     args = p.parse_args()
 
     conditions = [False, True] if args.busy else [False]
@@ -125,7 +157,7 @@ def main() -> None:
             print(f"repeat {i + 1}/{args.repeats}", flush=True)
             for busy in conditions:
                 for method in methods:  # interleaved, so a slow spell of the machine hits both alike
-                    rows[method, busy].append(measure_once(experiment(method, args.stage, args.mbs, args.steps), Path(work), busy))
+                    rows[method, busy].append(measure_once(experiment(method, args.stage, args.mbs, args.steps), Path(work), busy, args.calibrate))
 
     summary = {}
     for method in methods:
@@ -147,6 +179,11 @@ def main() -> None:
             print(f"{method:<9} {cond:<9} {s['median_throughput'] or 0:16.2f} {100 * (s['cv'] or 0):5.1f}% {100 * lo:5.1f}-{100 * hi:4.1f}% "
                   f"{100 * (s['median_interval_rel'] or 0):8.1f}% {s['median_wall_s']:7.1f} {s['median_cpu_wait'] or 0:8.2f} "
                   f"{s['disturbed']:>5}/{s['ok']:<3}  {within}")
+    for method in methods:
+        q = summary[method]["quiet"]
+        if "machine_cv" in q:
+            print(f"{method}: the machine's own speed (calibration matmuls) varied by CV {100 * q['machine_cv']:.1f}%; throughput / machine speed: "
+                  f"CV {100 * q['cv_drift_corrected']:.1f}% (raw {100 * q['cv']:.1f}%)")
     for m, a in added.items():
         print(f"added seconds per experiment ({m} - fixed, quiet medians): {a:+.1f} s ({100 * a / fixed_wall:+.0f}%)")
     if args.json:
