@@ -3,15 +3,18 @@
 - settings.py: SearchSettings
 - candidates.py: what can be run (default knobs, knob combinations, the study's distributions)
 - ledger.py: every experiment as an Optuna trial (public API, plain param names), resume, pending trials of other workers
-- microbatch.py: the memory edge and the throughput peak along the micro-batch
-- strategy.py: stage order, knobs, joint refinement, re-measurement and the global stop rule
+- microbatch.py: the memory edge and the throughput peak along the micro-batch (pure functions)
+- strategy.py: the order of the steps, and what they share (the incumbent, the noise, the global stop rule)
+- step.py: a step (what to measure next, and why)
+- profiling.py, lines.py, knobs.py, repeats.py: the steps (profiling and the memory model; each
+  stage's micro-batch; knobs and the best knobs' micro-batch; measuring again)
 - tuner.py: the loop that asks the strategy, claims a trial, runs it and records it
 """
 
 from mlautotune.search.candidates import base_params, micro_batch_cap, product
 from mlautotune.search.ledger import METRIC_KEYS, Measured
 from mlautotune.search.settings import SearchSettings
-from mlautotune.search.strategy import first_experiments
+from mlautotune.search.profiling import first_experiments
 from mlautotune.search.tuner import Outcome, Tuner
 
 __all__ = ["METRIC_KEYS", "Measured", "Outcome", "SearchSettings", "Tuner", "base_params", "first_experiments", "micro_batch_cap", "product"]

@@ -95,7 +95,7 @@ class Tuner:
             raise
         m = self.ledger.record(trial, params, result, step.repeat_of)
         had_model = self.strategy.memory is not None
-        self.strategy.memory = self.strategy._memory_model(self.ledger.order)
+        self.strategy.memory = self.strategy.memory_model(self.ledger.order)
         if not had_model and self.strategy.memory is not None:
             self._notify("profiled", self.strategy.memory, [m])
         self._notify("experiment_finished", exp, m, self.best())

@@ -1,0 +1,109 @@
+"""Steps 3 and 4, the ZeRO knobs of a stage, then the best knobs' own micro-batch.
+
+3. At the stage's best micro-batch, the tuner chooses among the untried knob combinations
+   (model_based: the XGBoost cost model with feasibility), while their optimistic value (a prior
+   for knob values not seen yet, then the cost model's prediction) can beat the incumbent.
+4. Joint refinement: the stage's best knobs, and any knobs tied with them within the noise, get
+   their own micro-batch search (their own memory edge too), with the default knobs' line as the prior.
+"""
+
+from typing import Any, Dict, List, Optional
+
+from mlautotune.samplers.cost_model import CostModel
+from mlautotune.search.candidates import base_knobs, knobs_of_params, params_key, stage_knob_combos, with_knobs
+from mlautotune.search.ledger import Ledger, Measured
+from mlautotune.search.microbatch import scaled_reference, stretched
+from mlautotune.search.step import Step
+
+KNOB_PRIOR = 0.25  # what knobs the cost model has not yet seen varied might be worth
+KNOB_STARTUP = 4  # knob experiments on that prior in a stage tied for the lead; then the cost model decides
+MODEL_SLACK = 0.02  # the cost model's prediction, made optimistic by this much
+
+
+class Knobs:
+    def __init__(self, strategy):
+        self.st = strategy
+
+    def step(self, stage: int, runs: List[Measured], taken: set, target: float, ledger: Ledger) -> Optional[Step]:
+        """A knob combination of the stage at its best default-knob micro-batch, chosen by the tuner."""
+        st = self.st
+        combos = stage_knob_combos(st.plan, stage)
+        best = st.stage_best(runs, stage)
+        if len(combos) < 2 or best is None:
+            return None
+        base = base_knobs(st.plan, stage)
+        base_line = [m for m in runs if m.params["stage"] == stage and knobs_of_params(m.params) == base and m.value is not None]
+        at = max(base_line, key=lambda m: st.score(m.final_value)).params["micro_batch"] if base_line else best.params["micro_batch"]
+        untried = [p for k in combos if params_key(p := with_knobs(st.plan, stage, at, k)) not in taken]
+        if not untried:
+            return None
+        knob_runs = [m for m in runs if m.params["stage"] == stage and knobs_of_params(m.params) != base]
+        margin = st.margin(runs)
+        if self._since_improvement([m for m in runs if m.params["stage"] == stage], base, margin) >= st.s.early_stopping:
+            st.note(f"z{stage}: early stop of the knob search after {st.s.early_stopping} experiments without improvement")
+            return None
+        leading = st.score(best.final_value) * (1 + margin) >= target
+        promise = self._promise(untried, runs, best, len(knob_runs) if leading else KNOB_STARTUP)
+        if promise <= target:
+            st.note(f"z{stage}: no untried knob combination is predicted to beat the incumbent by more than the noise")
+            return None
+        history = [(m.params, m.final_value, m.result.status) for m in runs if m.result.status in ("ok", "oom")]
+        choice = st.chooser.choose(untried, history, st.s.maximize, ledger.experiments)
+        return Step(choice, f"z{stage}: knobs at micro-batch {at} ({st.chooser.last_choice})")
+
+    def _since_improvement(self, stage_runs: List[Measured], base: Dict[str, Any], margin: float) -> int:
+        """Knob experiments of the stage since its best last rose by more than the noise."""
+        best, since = None, 0
+        for m in sorted(stage_runs, key=lambda m: m.trial_number):
+            value = self.st.score(m.final_value)
+            if value is not None and (best is None or value > best * (1 + margin)):
+                best, since = value, 0
+            elif knobs_of_params(m.params) != base:
+                since += 1
+        return since
+
+    def _promise(self, untried: List[Dict[str, Any]], runs: List[Measured], best: Measured, knob_runs: int) -> float:
+        """Optimistic value of the stage's untried knob combinations: for its first KNOB_STARTUP
+        knob experiments, a prior while some knob value has not been seen in any run; then the
+        cost model's best prediction."""
+        st = self.st
+        ok = [m for m in runs if m.value is not None]
+        seen = {(k, repr(v)) for m in ok for k, v in knobs_of_params(m.params).items()}
+        unseen = any((k, repr(v)) not in seen for p in untried for k, v in knobs_of_params(p).items())
+        if unseen and knob_runs < KNOB_STARTUP:
+            return st.score(best.final_value) * (1 + KNOB_PRIOR)
+        model = CostModel(seed=st.s.seed).fit([m.params for m in ok], [st.score(m.final_value) for m in ok])
+        return float(max(model.predict(untried))) * (1 + MODEL_SLACK)  # the target has the noise margin already
+
+    def joint_step(self, stage: int, runs: List[Measured], taken: set, target: float) -> Optional[Step]:
+        """The stage's best knobs along the micro-batch, and those of any knob combination tied with
+        them within the noise: its own edge (knobs change memory) from its measured peak, and the
+        default knobs' line as the prior."""
+        st = self.st
+        best = st.stage_best(runs, stage)
+        base = base_knobs(st.plan, stage)
+        if best is None:
+            return None
+        contenders = sorted((m for m in runs if m.params["stage"] == stage and m.value is not None and knobs_of_params(m.params) != base
+                             and (m is best or st.tied(best, m))), key=lambda m: -st.score(m.final_value))
+        for knobs in dict.fromkeys(repr(knobs_of_params(m.params)) for m in contenders):
+            lead = next(m for m in contenders if repr(knobs_of_params(m.params)) == knobs)
+            step = self._knob_line_step(stage, lead, runs, taken, target)
+            if step is not None:
+                return step
+        return None
+
+    def _knob_line_step(self, stage: int, lead: Measured, runs: List[Measured], taken: set, target: float) -> Optional[Step]:
+        st, lines = self.st, self.st.lines
+        knobs = knobs_of_params(lead.params)
+        own, ooms, _ = lines.line(runs, stage, knobs)
+        base_line = lines.line(runs, stage, base_knobs(st.plan, stage))[0]
+        below, below_edge = lines.reference(runs, stage)
+        base_edge = lines.stage_edge(stage, base_line)
+        reference = base_line + scaled_reference(base_line, stretched(below, below_edge, base_edge), 1.0)
+        predicted = None
+        peak = lead.result.metrics.get("peak_memory_bytes")
+        if st.memory is not None and st.memory.limit and st.memory.per_sample and peak:
+            predicted = lead.params["micro_batch"] + int((st.memory.limit - peak) / st.memory.per_sample)
+        edge = lines.edge(own, ooms, stage, predicted) if predicted is not None else None
+        return lines.line_step(stage, knobs, own, ooms, stretched(reference, base_edge, lines.line_edge(own, edge)), edge, taken, target, 1.0)

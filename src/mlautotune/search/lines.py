@@ -1,0 +1,110 @@
+"""Step 2, the micro-batch of each stage (default knobs), and the line search that steps 4 reuses.
+
+A line is a stage with fixed knobs along the micro-batch. The stage that leads by more than the
+noise brackets its own peak, memory edge first. Every other stage gets one look, placed by the line
+of the stage below it stretched to its own memory edge; that run scales the prior, and the stage
+goes on only where the scaled line can still win. The pure search along one line is microbatch.py.
+"""
+
+import math
+from typing import Any, Dict, List, Optional, Tuple
+
+from mlautotune.search.candidates import base_knobs, knobs_of_params, params_key, with_knobs
+from mlautotune.search.ledger import Measured
+from mlautotune.search.microbatch import Point, concave_bound, edge_probe, peak_probe, scaled_reference, sizes_between, stretched
+from mlautotune.search.step import Step
+
+UNSEEN_STAGE = 10.0  # a stage not measured yet may be this much faster at the same micro-batch: every stage gets one look
+
+
+class Lines:
+    def __init__(self, strategy):
+        self.st = strategy
+
+    def line(self, runs: List[Measured], stage: int, knobs: Dict[str, Any]) -> Tuple[List[Point], List[int], List[int]]:
+        """The line's measured (micro-batch, score) points, its OOM sizes, and every size it ran."""
+        same = [m for m in runs if m.params["stage"] == stage and knobs_of_params(m.params) == knobs]
+        own = [(m.params["micro_batch"], self.st.score(m.final_value)) for m in same if m.value is not None]
+        ooms = [m.params["micro_batch"] for m in same if m.result.status == "oom"]
+        return own, ooms, [m.params["micro_batch"] for m in same]
+
+    def _taken_sizes(self, stage: int, knobs: Dict[str, Any], taken: set, sizes: List[int]) -> set:
+        return {m for m in sizes if params_key(with_knobs(self.st.plan, stage, m, knobs)) in taken}
+
+    def _candidates(self, stage: int, high: int) -> List[int]:
+        st = self.st
+        rule = st.plan.micro_batch
+        if rule.mode == "fixed":
+            return list(rule.values)
+        allowed = [m for m in rule.values if st.memory is None or st.memory.fits(stage, m)] if rule.mode == "list" else None
+        return sizes_between(st.low, min(high, st.cap or high), allowed)
+
+    def reference(self, runs: List[Measured], stage: int) -> Tuple[List[Point], Optional[int]]:
+        """The best line of the nearest lower stage that ran, completed where it has no points of
+        its own by the line below it, scaled; and its memory edge (nothing for the lowest stage)."""
+        for lower in sorted((s for s in self.st.plan.stages if s < stage), reverse=True):
+            b = self.st.stage_best(runs, lower)
+            if b is not None:
+                own = self.line(runs, lower, knobs_of_params(b.params))[0]
+                below, below_edge = self.reference(runs, lower)
+                completion = scaled_reference(own, stretched(below, below_edge, self.stage_edge(lower, own)), 1.0)
+                # where the stage's own points bound its line (concave), the completion stays under them
+                return own + [(m, min(v, concave_bound(own, m))) for m, v in completion], self.stage_edge(lower, own)
+        return [], None
+
+    def stage_edge(self, stage: int, own: List[Point]) -> Optional[int]:
+        st = self.st
+        if st.plan.micro_batch.mode != "min":
+            return None
+        if st.memory is not None:
+            return st.memory.max_micro_batch(stage, cap=st.cap) or None
+        return max((m for m, _ in own), default=None)
+
+    def edge(self, own: List[Point], ooms: List[int], stage: int, predicted: Optional[int] = None) -> Optional[int]:
+        st = self.st
+        if st.plan.micro_batch.mode != "min":
+            return None
+        if predicted is None and st.memory is not None:
+            predicted = st.memory.max_micro_batch(stage, cap=st.cap)
+        return edge_probe([m for m, _ in own], ooms, st.low, st.cap, predicted, chunky=st.s.device == "cpu")
+
+    def step(self, stage: int, runs: List[Measured], taken: set, target: float) -> Optional[Step]:
+        """The next size of the stage's default-knob line, or None when nothing on it can beat `target`."""
+        knobs = base_knobs(self.st.plan, stage)
+        own, ooms, _ = self.line(runs, stage, knobs)
+        edge = self.edge(own, ooms, stage)
+        # the stage that leads by more than the noise gets a search of its own; the others are
+        # priced by the line below them
+        reference, ref_edge = ([], None) if self._leads(runs, stage, target) else self.reference(runs, stage)
+        if not reference and self.st.plan.micro_batch.mode == "list":
+            target = -math.inf  # sizes the user listed are all measured in the stage searched on its own
+        return self.line_step(stage, knobs, own, ooms, stretched(reference, ref_edge, self.line_edge(own, edge)), edge, taken, target, UNSEEN_STAGE)
+
+    def _leads(self, runs: List[Measured], stage: int, target: float) -> bool:
+        """The stage holds the incumbent, and no other stage's best is within the noise of it."""
+        st = self.st
+        mine = st.stage_best(runs, stage)
+        if mine is None or mine is not st.best(runs):
+            return False
+        lead = st.score(mine.final_value)
+        others = [st.score(b.final_value) for s in st.plan.stages if s != stage and (b := st.stage_best(runs, s)) is not None]
+        return all(v * target / lead < lead for v in others)
+
+    @staticmethod
+    def line_edge(own: List[Point], edge: Optional[int]) -> Optional[int]:
+        """The line's memory edge: the edge search's next size, or its largest run once that is known."""
+        return edge if edge is not None else max((m for m, _ in own), default=None)
+
+    def line_step(self, stage, knobs, own, ooms, reference, edge, taken, target, prior_ratio) -> Optional[Step]:
+        """The line's next size by the peak search (microbatch.peak_probe), its edge search included."""
+        st = self.st
+        high = max([m for m, _ in own] + [edge or 0, st.low] + (list(st.plan.micro_batch.values) if st.plan.micro_batch.mode != "min" else []))
+        if ooms:
+            high = min(high, min(ooms) - 1)
+        candidates = self._candidates(stage, high)
+        taken_sizes = self._taken_sizes(stage, knobs, taken, candidates) | set(ooms)
+        pending = {p["micro_batch"] for p in st.pending_params if p["stage"] == stage and knobs_of_params(p) == knobs}
+        mbs, bound = peak_probe(own, reference, candidates, taken_sizes, target, prior_ratio, high_probe=edge, rate=st.s.metric != "latency", pending=pending)
+        if mbs is None:
+            return None
+        return Step(with_knobs(st.plan, stage, mbs, knobs), f"z{stage}: micro-batch {mbs} may reach {bound:.4g}")

@@ -1,0 +1,111 @@
+"""Step 1, profiling: the first runs of a session and the memory model they give.
+
+The first stage at the smallest micro-batch, and if that runs out of memory, the stage that keeps
+the least per rank; then a second size of the stage that ran, for the per-sample slope. The memory
+model comes from the first successful run of any stage. A stage whose model states alone cannot fit,
+or that is predicted to OOM at the smallest micro-batch, is skipped with no experiment.
+"""
+
+from typing import Any, Dict, List, Optional, Tuple
+
+from mlautotune.memory import MemoryModel
+from mlautotune.search.candidates import base_knobs, base_params, knobs_of_params, micro_batch_cap, params_key, with_knobs
+from mlautotune.search.ledger import Measured
+from mlautotune.search.step import Step
+from mlautotune.space import TuningPlan
+
+PROFILE_FACTOR = 4  # the second profiling point: this many times the smallest micro-batch
+
+
+class Profiling:
+    def __init__(self, strategy):
+        self.st = strategy
+
+    def memory_model(self, runs: List[Measured]) -> Optional[MemoryModel]:
+        """The model from the first run with model info, calibrated on every default-knob run and OOM."""
+        plan, s = self.st.plan, self.st.s
+        info = next((m.result.metrics for m in runs if m.ok and m.result.metrics.get("num_params")), None)
+        if info is None:
+            return None
+        model = MemoryModel(
+            num_params=int(info["num_params"]), trainable_params=int(info.get("trainable_num_params", info["num_params"])),
+            ds_config=plan.base_config, world_size=s.world_size, mp_size=plan.mp_size,
+            limit_bytes=int(s.memory_limit_bytes or 0) or None, device=s.device,
+        )
+        for m in runs:  # knobs change memory (buckets): the model learns from default-knob runs only
+            peak = m.result.metrics.get("peak_memory_bytes")
+            if m.result.status in ("ok", "oom") and knobs_of_params(m.params) == base_knobs(plan, m.params["stage"]):
+                model.observe(m.params["stage"], m.params["micro_batch"], int(peak) if peak else None, m.result.status == "oom")
+        return model
+
+    def step(self, runs: List[Measured], taken: set) -> Optional[Step]:
+        """Until a run succeeds: the first stage at the smallest micro-batch, then the stage that keeps
+        the least per rank, then the others. Then a second size of a stage that ran, for the slope."""
+        st = self.st
+        if st.memory is None and any(m.ok for m in runs):
+            return None  # runs without a parameter count (no memory model): micro-batches by doubling
+        stages = st.plan.stages
+        if st.memory is None:  # the first stage's two sizes (another worker takes the second at once), then the
+            order = dict.fromkeys([stages[0], stages[-1], *stages[1:-1]])  # others: a failure that is not an OOM may be passing
+            for stage, mbs in [(stages[0], st.low), (stages[0], self._second_size()), *((s, m) for m in (st.low, self._second_size()) for s in order)]:
+                p = base_params(st.plan, stage, mbs)
+                if params_key(p) not in taken and not self._oom_at_or_below(runs, stage, mbs):
+                    return Step(p, "profiling: model info and a first memory point")
+            return None
+        if st.plan.micro_batch.mode != "min" or st.memory.per_sample_measured():
+            return None
+        first, mbs = self._second_point(runs)  # not in flight (next() waits while it is): one is enough
+        p = with_knobs(st.plan, first.params["stage"], mbs, knobs_of_params(first.params))
+        if (st.cap is not None and mbs > st.cap) or params_key(p) in taken:
+            return None
+        return Step(p, "profiling: a second memory point for the per-sample slope")
+
+    def _second_point(self, runs: List[Measured]) -> Tuple[Measured, int]:
+        """The first run (the same for every worker: the lowest trial number) and the second size to measure."""
+        first = min((m for m in runs if m.ok), key=lambda m: m.trial_number)
+        return first, first.params["micro_batch"] * PROFILE_FACTOR
+
+    def slope_pending(self, runs: List[Measured]) -> bool:
+        """Another worker is measuring the second memory point that the edges wait for."""
+        st = self.st
+        if st.plan.micro_batch.mode != "min" or st.memory is None or st.memory.per_sample_measured():
+            return False
+        mbs = self._second_point(runs)[1]
+        return any(p["micro_batch"] == mbs for p in st.pending_params)
+
+    def _second_size(self) -> int:
+        st = self.st
+        rule = st.plan.micro_batch
+        if rule.mode == "list" and len(rule.values) > 1:
+            return sorted(rule.values)[1]
+        if rule.mode == "min" and (st.cap is None or st.low * PROFILE_FACTOR <= st.cap):
+            return st.low * PROFILE_FACTOR
+        return st.low
+
+    @staticmethod
+    def _oom_at_or_below(runs: List[Measured], stage: int, mbs: int) -> bool:
+        return any(m.result.status == "oom" and m.params["stage"] == stage and m.params["micro_batch"] <= mbs for m in runs)
+
+    def feasible(self, stage: int) -> bool:
+        """Whether the stage can run at all by the memory model (a stage skipped is noted, with why)."""
+        m = self.st.memory
+        if m is None:
+            return True
+        if m.limit and m.model_states(stage) > m.limit:
+            self.st.note(f"z{stage}: skipped, its model states alone ({m.model_states(stage) / 2**30:.2f} GiB/rank) exceed the memory limit")
+            return False
+        if not m.fits(stage, self.st.low):
+            self.st.note(f"z{stage}: skipped, the memory model predicts OOM at micro-batch {self.st.low}")
+            return False
+        return True
+
+
+def first_experiments(plan: TuningPlan, world_size: int) -> List[Dict[str, Any]]:
+    """The session's first experiments, as `Profiling.step` picks them when they run: the first stage at
+    the smallest micro-batch, then (micro-batch rule "min") at PROFILE_FACTOR times it for the
+    memory slope. `mlautotune plan` prints these and `mlautotune experiment` runs the first."""
+    cap, low = micro_batch_cap(plan, world_size), min(plan.micro_batch.values)
+    first = [base_params(plan, plan.stages[0], low)]
+    if plan.micro_batch.mode == "min" and low * PROFILE_FACTOR <= cap:
+        first.append(base_params(plan, plan.stages[0], low * PROFILE_FACTOR))
+    return first
