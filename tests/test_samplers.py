@@ -5,6 +5,7 @@ harness here only runs the landscape and reports what happened, it marks nothing
 """
 
 import itertools
+import random
 import statistics
 
 import pytest
@@ -115,3 +116,45 @@ def test_an_oom_rules_out_larger_micro_batches_with_the_same_knobs_only():
         {"stage": 2, "micro_batch": 16, "reduce_bucket_size": 50000000},  # smaller buckets may fit: the classifier decides
     ])
     assert p[0] == 0.0 and p[1] > 0.0
+
+
+
+KNOBS = {"overlap_comm": [False, True], "reduce_bucket_size": [50000000, 500000000, 1000000000], "contiguous_gradients": [False, True],
+         "reduce_scatter": [False, True]}
+COMBOS = [dict(zip(KNOBS, values), stage=2, micro_batch=8, gas=1) for values in itertools.product(*KNOBS.values())]
+
+
+def knob_value(p):
+    """Knob effects of 1-2% each, under the +-3% noise of one measurement; they add up (to 7% at best)."""
+    bucket = {50000000: 1.02, 500000000: 1.0, 1000000000: 0.99}[p["reduce_bucket_size"]]
+    return 100 * (1.02 if p["overlap_comm"] else 1) * bucket * (1.02 if p["contiguous_gradients"] else 1) * (1.01 if p["reduce_scatter"] else 1)
+
+
+def test_model_based_adds_up_knob_effects_under_the_noise_and_picks_the_best_untried_combination_more_often():
+    """100 seeded sessions: 6 of the 24 knob combinations of a stage measured once with +-3% noise, then
+    one greedy choice. Adding up each knob value's mean effect (knob_effects) finds the best untried
+    combination in 34 of them (mean shortfall 1.6%); the XGBoost regressor alone, in 25 (2.0%)."""
+    hits, shortfall = 0, []
+    for trial in range(100):
+        rng = random.Random(trial)
+        measured = rng.sample(COMBOS, 6)
+        history = [(p, knob_value(p) * (1 + rng.uniform(-0.03, 0.03)), "ok") for p in measured]
+        untried = [c for c in COMBOS if c not in measured]
+        chooser = ModelBasedSampler(seed=trial % 4)
+        n = next(n for n in range(10, 20) if (n + trial % 4) % chooser.explore_every)  # a greedy choice, not an exploring one
+        choice = chooser.choose(untried, history, True, n)
+        best = max(untried, key=knob_value)
+        hits += choice == best
+        shortfall.append(1 - knob_value(choice) / knob_value(best))
+    assert hits >= 30 and statistics.mean(shortfall) < 0.018, (hits, statistics.mean(shortfall))
+
+
+def test_knob_effects_only_where_the_candidates_share_a_stage_and_micro_batch_with_three_measured():
+    from mlautotune.samplers.model_based import knob_effects
+
+    done = [(p, knob_value(p)) for p in COMBOS[:3]]
+    assert knob_effects(COMBOS[3:], done[:2], True) is None  # two measured: no effects yet
+    assert knob_effects(COMBOS[3:] + [dict(COMBOS[3], micro_batch=4)], done, True) is None  # two slices
+    predicted = knob_effects(COMBOS[3:], done, True)
+    assert predicted is not None and len(predicted) == len(COMBOS) - 3
+    assert knob_effects(COMBOS[3:], [(p, -v) for p, v in done], False).tolist() == pytest.approx(predicted.tolist())  # minimising: the same order

@@ -2,7 +2,12 @@
 feasibility model lets through.
 
 Every finished experiment of the study (all stages) trains the regressor (the metric of ok runs)
-and the feasibility classifier (ok against OOM). Feasibility is a constraint: a candidate whose
+and the feasibility classifier (ok against OOM). Where the candidates are knob combinations at one
+stage and micro-batch (the knob step) and 3 or more combinations there are measured, knob effects
+are taken to add up: each knob value's mean deviation over the measured combinations, shrunk
+towards 0 by how few measured it, predicts every untried combination (the regressor breaks ties).
+A knob effect smaller than the noise of one measurement is then estimated from every measurement
+with that value, so the combination of the best values is tried even when no single run showed it. Feasibility is a constraint: a candidate whose
 P(fits) is under one half is not chosen while another remains. The first `n_startup` choices, and
 every `explore_every`-th after them (the phase set by the seed), explore: a seeded pick among the
 promising half (predicted at or above the median) weighted towards candidates far from everything
@@ -10,7 +15,7 @@ tried, so a mis-fitted model cannot circle one corner of the space, and differen
 differently.
 """
 
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -18,6 +23,9 @@ from mlautotune.samplers.cost_model import CostModel, all_keys, encode
 from mlautotune.samplers.choosers import Chooser, History
 
 FEASIBLE = 0.5
+MIN_MEASURED = 3  # measured knob combinations at the candidates' stage and micro-batch before knob effects are added up
+TIE_BREAK = 1e-6  # the regressor's share of a score where knob effects decide
+SLICE = ("stage", "micro_batch", "gas")
 
 
 class ModelBasedSampler(Chooser):
@@ -46,6 +54,9 @@ class ModelBasedSampler(Chooser):
         predicted = model.predict(untried)
         labelled = [(p, v is not None) for p, v, status in history if v is not None or status == "oom"]
         model.fit_feasibility([p for p, _ in labelled], [ok for _, ok in labelled])
+        additive = knob_effects(untried, done, maximize)
+        if additive is not None:
+            predicted = additive + TIE_BREAK * predicted
         fits = model.p_feasible(untried) >= FEASIBLE
         if not fits.any():
             return predicted
@@ -61,3 +72,25 @@ class ModelBasedSampler(Chooser):
         dist = np.min(np.linalg.norm((u[:, None, :] - t[None, :, :]) / scale, axis=2), axis=1)
         weights = dist**2 + 1e-9
         return candidates[rng.choice(len(candidates), p=weights / weights.sum())]
+
+
+def knob_effects(untried: List[Dict[str, Any]], done: List[Tuple[Dict[str, Any], float]], maximize: bool) -> Optional[np.ndarray]:
+    """Each untried combination's value as the mean of the measured ones at its stage and micro-batch
+    plus the effect of each of its knob values (that value's mean deviation, times n / (n + 1) for n
+    measurements with it); None unless the candidates share one stage, micro-batch and gas with at
+    least MIN_MEASURED measured combinations."""
+    here = {tuple(c.get(k) for k in SLICE) for c in untried}
+    if len(here) != 1:
+        return None
+    at = here.pop()
+    measured = [(p, v if maximize else -v) for p, v in done if tuple(p.get(k) for k in SLICE) == at]
+    if len(measured) < MIN_MEASURED:
+        return None
+    mean = float(np.mean([v for _, v in measured]))
+    knobs = sorted({k for c in untried for k in c if k not in SLICE})
+
+    def effect(knob: str, value: Any) -> float:
+        with_it = [v for p, v in measured if repr(p.get(knob)) == repr(value)]
+        return (float(np.mean(with_it)) - mean) * len(with_it) / (len(with_it) + 1) if with_it else 0.0
+
+    return np.array([mean + sum(effect(k, c.get(k)) for k in knobs) for c in untried])
