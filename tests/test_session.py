@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -35,16 +36,29 @@ def write_config(path: Path, mbs, stages, **autotuning) -> Path:
 
 
 def cli(tmp_path: Path, *args: str, script=HEAVY, extra_env=None, **popen):
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", **(extra_env or {})}
+    # PYTHONFAULTHANDLER: a session that hangs is sent SIGABRT by wait_for and prints every thread's stack
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", "PYTHONFAULTHANDLER": "1", **(extra_env or {})}
     argv = [sys.executable, "-m", "mlautotune", *args]
     if script is not None:
         argv += [f"script={script}", f"script_args={' '.join(TINY_MODEL)}", "launcher.num_gpus=2", "search.remeasure=0", *QUICK]
-    return subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+    # read as it comes, as a terminal would: a session waited on with its pipe unread blocks once the pipe is full
+    proc.lines = []
+    proc.reader = threading.Thread(target=lambda: proc.lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    proc.reader.start()
+    return proc
+
+
+def output(proc) -> str:
+    """Everything the session printed; once it has ended, to its last line."""
+    if proc.poll() is not None:
+        proc.reader.join(timeout=30)
+    return "".join(proc.lines)
 
 
 def finish(proc, timeout=600):
-    out, _ = proc.communicate(timeout=timeout)
-    return proc.returncode, out
+    proc.wait(timeout=timeout)
+    return proc.returncode, output(proc)
 
 
 def client(tmp_path) -> MlflowClient:
@@ -132,7 +146,7 @@ def test_interrupt_then_kill_then_resume(tmp_path, leftovers):
     wait_for(lambda: len(lines()) >= 4, proc)  # resumed: the interrupted one again, then one more
     time.sleep(3)
     os.kill(proc.pid, signal.SIGKILL)
-    proc.communicate()
+    proc.wait()
     deadline = time.time() + 90  # the ranks' watchdog ends them; on a loaded machine they may still be importing torch
     while leftovers(str(results)) and time.time() < deadline:
         time.sleep(0.5)
@@ -212,11 +226,44 @@ def test_mlflow_run_in_run_mode_trains_with_the_optimum(tmp_path):
     assert used["train_micro_batch_size_per_gpu"] == 2
 
 
+def hang_report(proc) -> str:
+    """Where a hung session stands: SIGABRT to it, which with PYTHONFAULTHANDLER prints each of its threads'
+    stacks; then its output and the tails of the logs of the experiments it was running (where the
+    launcher and the ranks stand)."""
+    import psutil
+
+    try:
+        below = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        below = []
+    logs = {Path(f.path) for p in below for f in _open_files(p) if f.path.endswith(".log")}
+    try:
+        proc.send_signal(signal.SIGABRT)
+    except OSError:
+        pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    time.sleep(2)
+    tails = "".join(f"\n--- {log} (last 6000 characters)\n{log.read_text(errors='replace')[-6000:]}" for log in sorted(logs) if log.is_file())
+    return f"the session's output:\n{output(proc)}{tails}"
+
+
+def _open_files(p):
+    try:
+        return p.open_files()
+    except Exception:
+        return []
+
+
 def wait_for(condition, proc, timeout=300):
     deadline = time.time() + timeout
     while not condition():
-        assert proc.poll() is None, proc.communicate()[0]
-        assert time.time() < deadline, "timed out"
+        assert proc.poll() is None, output(proc)
+        if time.time() >= deadline:
+            raise AssertionError(f"timed out after {timeout} s\n{hang_report(proc)}")
         time.sleep(0.5)
 
 
