@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -230,8 +231,6 @@ def hang_report(proc) -> str:
     """Where a hung session stands: SIGABRT to it, which with PYTHONFAULTHANDLER prints each of its threads'
     stacks; then its output and the tails of the logs of the experiments it was running (where the
     launcher and the ranks stand)."""
-    import psutil
-
     try:
         below = psutil.Process(proc.pid).children(recursive=True)
     except psutil.Error:

@@ -7,8 +7,9 @@ stage and micro-batch (the knob step) and 3 or more combinations there are measu
 are taken to add up: each knob value's mean deviation over the measured combinations, shrunk
 towards 0 by how few measured it, predicts every untried combination (the regressor breaks ties).
 A knob effect smaller than the noise of one measurement is then estimated from every measurement
-with that value, so the combination of the best values is tried even when no single run showed it. Feasibility is a constraint: a candidate whose
-P(fits) is under one half is not chosen while another remains. The first `n_startup` choices, and
+with that value, so the combination of the best values is tried even when no single run showed it.
+Feasibility is a constraint: a candidate whose P(fits) is under one half is not chosen while
+another remains. The first `n_startup` choices, and
 every `explore_every`-th after them (the phase set by the seed), explore: a seeded pick among the
 promising half (predicted at or above the median) weighted towards candidates far from everything
 tried, so a mis-fitted model cannot circle one corner of the space, and different seeds explore
@@ -79,18 +80,21 @@ def knob_effects(untried: List[Dict[str, Any]], done: List[Tuple[Dict[str, Any],
     plus the effect of each of its knob values (that value's mean deviation, times n / (n + 1) for n
     measurements with it); None unless the candidates share one stage, micro-batch and gas with at
     least MIN_MEASURED measured combinations."""
-    here = {tuple(c.get(k) for k in SLICE) for c in untried}
+    def slice_of(p: Dict[str, Any]) -> tuple:
+        return tuple(p.get(k) for k in SLICE)
+
+    here = {slice_of(c) for c in untried}
     if len(here) != 1:
         return None
     at = here.pop()
-    measured = [(p, v if maximize else -v) for p, v in done if tuple(p.get(k) for k in SLICE) == at]
+    measured = [(p, v if maximize else -v) for p, v in done if slice_of(p) == at]
     if len(measured) < MIN_MEASURED:
         return None
     mean = float(np.mean([v for _, v in measured]))
     knobs = sorted({k for c in untried for k in c if k not in SLICE})
-
-    def effect(knob: str, value: Any) -> float:
-        with_it = [v for p, v in measured if repr(p.get(knob)) == repr(value)]
-        return (float(np.mean(with_it)) - mean) * len(with_it) / (len(with_it) + 1) if with_it else 0.0
-
-    return np.array([mean + sum(effect(k, c.get(k)) for k in knobs) for c in untried])
+    effect = {}  # (knob, repr(value)) -> its shrunk mean deviation, once per value the candidates take
+    for k in knobs:
+        for value in {repr(c.get(k)) for c in untried}:
+            with_it = [v for p, v in measured if repr(p.get(k)) == value]
+            effect[k, value] = (float(np.mean(with_it)) - mean) * len(with_it) / (len(with_it) + 1) if with_it else 0.0
+    return np.array([mean + sum(effect[k, repr(c.get(k))] for k in knobs) for c in untried])
