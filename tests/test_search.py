@@ -592,6 +592,23 @@ def test_a_pending_re_measurement_is_not_proposed_twice():
     assert c.propose() is None  # one repeat each is in flight: nothing more to re-measure
 
 
+def test_a_claim_still_being_written_by_another_worker_is_neither_taken_nor_run_again():
+    """Optuna's `ask` creates the trial RUNNING and sets its params one by one: another worker that
+    reads the study in between sees a trial with no params or some of them. It is not pending (CI on
+    b8522d6: KeyError 'stage'), and if its worker dies there, there is nothing to run again."""
+    a, b = workers(make_plan(stages=[0, 1]))
+    for _ in range(3):  # profiling done: the next choice spreads the workers over the stages
+        a.run(*a.propose())
+    study = a.ledger.study
+    empty, partial = study.ask(), study.ask({"micro_batch": a.ledger.dists["micro_batch"]})
+    first = b.propose()
+    assert isinstance(first, tuple) and b.ledger.pending == {}
+    b.run(*first)
+    for t in (empty, partial):
+        study.tell(t, state=optuna.trial.TrialState.FAIL)  # their worker died mid-claim
+    assert b.propose() is None and b.ledger.to_run_again() == []  # the search is over: nothing to run again
+
+
 def test_the_budget_counts_other_workers_pending_trials():
     a, b = workers(make_plan(stages=[0, 1]), num_trials=2)
     assert isinstance(a.propose(), tuple) and isinstance(b.propose(), tuple)

@@ -143,6 +143,12 @@ class Ledger:
         for t in self.study.get_trials(deepcopy=False):
             if t.number in self._loaded:
                 continue
+            if "params" not in t.user_attrs and t.state != TrialState.COMPLETE:
+                # a claim still being written (Optuna sets the params one by one after `ask`), or one
+                # whose worker died before its claim was complete: nothing was launched for it
+                if t.state not in (TrialState.RUNNING, TrialState.WAITING):
+                    self._loaded.add(t.number)
+                continue
             if t.state in (TrialState.RUNNING, TrialState.WAITING):  # this worker's own in-flight trials too
                 self.pending[t.number] = trial_params(t)
                 if "repeat_of" in t.user_attrs:
