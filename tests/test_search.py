@@ -538,6 +538,30 @@ def test_a_simultaneous_claim_of_the_same_params_goes_to_the_lower_trial_number(
     assert study.trials[-1].state == optuna.trial.TrialState.PRUNED and study.trials[-1].user_attrs["duplicate_of"] == first.number
 
 
+def test_a_claim_of_the_same_params_still_being_written_by_an_earlier_trial_is_waited_for(tmp_path):
+    """Worker A has asked for its trial, and Optuna has set its stage but not yet its micro-batch
+    when worker B claims the same params: B waits for A's claim to be complete and yields to it."""
+    import threading
+
+    from mlautotune.search.ledger import Fixed
+
+    storage = f"sqlite:///{tmp_path / 'o.db'}"
+    a, study = tuner(make_plan(stages=[0]), Landscape(), storage, alone=False)
+    b, _ = tuner(make_plan(stages=[0]), Landscape(), storage, alone=False)
+    p = {"stage": 0, "micro_batch": 4, "gas": 1}
+    a.ledger.study.sampler = Fixed(p)
+    early = a.ledger.study.ask({"stage": a.ledger.dists["stage"]})
+
+    def finish_a_claim():
+        for k in ("micro_batch", "gas"):
+            early.suggest_int(k, 1, 1 << 16, log=True)
+        early.set_user_attr("params", p)
+
+    threading.Timer(0.5, finish_a_claim).start()
+    assert b.ledger.claim(p) is None
+    assert study.trials[-1].state == optuna.trial.TrialState.PRUNED and study.trials[-1].user_attrs["duplicate_of"] == early.number
+
+
 def test_a_failed_first_run_does_not_end_the_session():
     """A crash that is not an OOM (a port clash, a flaky collective) at the first size: the
     profiling goes on with the next size instead of giving up with no result."""

@@ -10,6 +10,7 @@ same params at once, the lower trial number keeps them.
 
 import math
 import statistics
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -22,6 +23,7 @@ from optuna.trial import FrozenTrial, TrialState
 from mlautotune.experiment import Result
 from mlautotune.search.candidates import params_key
 
+CLAIM_WAIT_S = 2.0  # how long a claim waits for an earlier claim still being written (a dead one stays RUNNING until its heartbeat fails it)
 MAX_CUT_OFF = 3  # a configuration whose experiment was cut off this often is not run again
 
 METRIC_KEYS = {"throughput": "throughput", "latency": "latency", "FLOPS": "FLOPS_per_gpu"}
@@ -196,19 +198,34 @@ class Ledger:
     # ---- writing trials ---------------------------------------------------------------------
     def claim(self, params: Dict[str, Any], repeat_of: Optional[Measured] = None) -> Optional[optuna.Trial]:
         """A RUNNING trial with these params, or None if another worker holds them (same params in
-        an earlier trial: the lower number keeps them; this trial becomes a PRUNED duplicate)."""
+        an earlier trial: the lower number keeps them; this trial becomes a PRUNED duplicate). The
+        `params` attribute is written last: it marks the claim complete."""
         self.study.sampler = Fixed(params)
         trial = self.study.ask({k: self.dists[k] for k in params})
-        if repeat_of is None:
-            for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.COMPLETE, TrialState.FAIL)):
-                if t.number < trial.number and trial_params(t) == params and "repeat_of" not in t.user_attrs and "duplicate_of" not in t.user_attrs and trial_status(t) != "interrupted":
-                    trial.set_user_attr("duplicate_of", t.number)
-                    self.study.tell(trial, state=TrialState.PRUNED)
-                    return None
-        trial.set_user_attr("params", dict(params))
         if repeat_of is not None:
             trial.set_user_attr("repeat_of", repeat_of.trial_number)
+        else:
+            holder = self._earlier_claim(trial.number, params)
+            if holder is not None:
+                trial.set_user_attr("duplicate_of", holder)
+                self.study.tell(trial, state=TrialState.PRUNED)
+                return None
+        trial.set_user_attr("params", dict(params))
         return trial
+
+    def _earlier_claim(self, number: int, params: Dict[str, Any]) -> Optional[int]:
+        """The earlier trial that holds these params, if any. An earlier claim still being written
+        (its params are set one by one) is waited for, up to CLAIM_WAIT_S: it may be the holder."""
+        deadline = time.monotonic() + CLAIM_WAIT_S
+        while True:
+            earlier = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.COMPLETE, TrialState.FAIL)) if t.number < number]
+            for t in earlier:
+                if "params" in t.user_attrs and trial_params(t) == params and "repeat_of" not in t.user_attrs and "duplicate_of" not in t.user_attrs and trial_status(t) != "interrupted":
+                    return t.number
+            writing = any(t.state == TrialState.RUNNING and "params" not in t.user_attrs for t in earlier)
+            if not writing or time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
 
     def interrupt(self, trial: optuna.Trial) -> None:
         trial.set_user_attr("status", "interrupted")
