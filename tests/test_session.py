@@ -108,6 +108,7 @@ def test_session_is_tracked_parent_and_children(tmp_path):
     assert 0 < parent.data.metrics["best_interval_rel"] <= best_child.data.metrics["interval_rel"] + 1e-12
     assert parent.data.metrics["num_oom"] == 1 and parent.data.metrics["num_failed"] == 1 and parent.data.metrics["num_ok"] == 2
     assert parent.info.status == "FINISHED" and parent.data.tags["status"] == "complete"
+    assert f"http://127.0.0.1:5000/#/experiments/{parent.info.experiment_id}/runs/{parent.info.run_id}?workflowType=machine_learning" in out
     assert "hardware.accelerator" in parent.data.params and parent.data.params["autotuning.tuner_type"] == "gridsearch"
     parent_arts = {a.path for a in client(tmp_path).list_artifacts(parent.info.run_id)}
     assert {"summary.txt", "ds_config_optimal.json", "cmd_optimal.txt", "trials.csv", "plots"} <= parent_arts

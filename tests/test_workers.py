@@ -162,6 +162,8 @@ def test_workers_share_one_session_and_a_killed_workers_experiment_is_run_again(
     assert len(set(configs)) == len(configs)
     assert {"summary.txt", "ds_config_optimal.json", "cmd_optimal.txt", "trials.csv", "plots"} <= {a.path for a in client.list_artifacts(parents[0].info.run_id)}
     assert parents[0].data.metrics["num_experiments"] == len(done)
+    page = f"{services['MLFLOW_TRACKING_URI']}/#/experiments/{parents[0].info.experiment_id}/runs/{parents[0].info.run_id}?workflowType=machine_learning"
+    assert all(f"in the MLflow UI: {page}" in text for text in logs.values()), "each worker names the parent run's page"
 
     # The report was written once, by the worker that finished last; the other left it to that one.
     assert sum("writing the session's report" in text for text in logs.values()) == 1

@@ -69,8 +69,9 @@ def _tune(session: Session) -> None:
     atomic_write_text(config_yaml, OmegaConf.to_yaml(redact(OmegaConf.to_container(session.cfg, resolve=True))))
     tracker.open_parent(study, session.name, parent_params(session), {"mode": session.cfg.mode}, [session.ds_config_path, config_yaml],
                         group=multirun_group(), script=str(session.script))
-    if tracker.experiment_label():
-        console.say(f"mlautotune: tracked in {tracker.experiment_label()} at {redact_text(tracker.tracking_uri)}")
+    where = tracker.where()
+    if where:
+        console.say(where)
     tracker.drop_children(tuner.interrupted)
     tuner.observers = [console, TrackingObserver(tracker, session.at.metric, session.memory_limit_bytes)]
 

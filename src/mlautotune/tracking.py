@@ -214,12 +214,19 @@ class Tracker:
         exp = self.client.get_experiment_by_name(self.experiment_name)
         return exp.experiment_id if exp else self.client.create_experiment(self.experiment_name, local_artifacts(self.tracking_uri))
 
-    def experiment_label(self) -> str:
-        """Where the runs are, for the console: the MLflow experiment's name and the parent run id."""
+    def where(self) -> str:
+        """Where the runs are, for the console: the MLflow experiment, the parent run, and the parent
+        run's page in the MLflow UI (in its "Model training" view: the UI opens in its GenAI view,
+        which shows traces, not runs)."""
         if self.parent_id is None or not self.online:
             return ""
         exp = self._call("reading the experiment", self.client.get_experiment, self.experiment_id)
-        return f"MLflow experiment {exp.name!r}, parent run {self.parent_id}" if exp else ""
+        if not exp:
+            return ""
+        uri = redact_text(self.tracking_uri)
+        page = f"#/experiments/{exp.experiment_id}/runs/{self.parent_id}?workflowType=machine_learning"
+        view = f"{uri.rstrip('/')}/{page}" if uri.startswith(("http://", "https://")) else f"`mlflow ui --backend-store-uri {uri}`, then http://127.0.0.1:5000/{page}"
+        return f"mlautotune: tracked in MLflow experiment {exp.name!r}, parent run {self.parent_id} at {uri}\nmlautotune: in the MLflow UI: {view}"
 
     def _existing_children(self) -> Dict[int, str]:
         runs = self.client.search_runs(

@@ -133,8 +133,9 @@ def open_parent_once(tracker: Tracker, store, study: optuna.Study, session: Sess
                         f"{PARENT_WAIT_S} s; this worker's experiments are not tracked (`mlautotune report` fills the parent in later).")
             return
         tracker.open_parent(study, session.name, {}, {}, [])
-    if tracker.experiment_label():
-        console.say(f"mlautotune: tracked in {tracker.experiment_label()} at {redact_text(tracker.tracking_uri)}")
+    where = tracker.where()
+    if where:
+        console.say(where)
 
 
 def report_command(cfg: DictConfig) -> None:
