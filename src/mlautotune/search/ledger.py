@@ -93,6 +93,11 @@ def trial_params(t: FrozenTrial) -> Dict[str, Any]:
     return dict(t.params or t.user_attrs.get("params") or {})
 
 
+def claim_complete(t: FrozenTrial) -> bool:
+    """Its claim is written: Ledger.claim sets the `params` attribute last."""
+    return "params" in t.user_attrs
+
+
 def trial_status(t: FrozenTrial) -> str:
     """ok, oom, failed, timeout, incomplete, interrupted (cut off), running, or pruned (a duplicate)."""
     if t.state == TrialState.RUNNING:
@@ -145,7 +150,7 @@ class Ledger:
         for t in self.study.get_trials(deepcopy=False):
             if t.number in self._loaded:
                 continue
-            if "params" not in t.user_attrs and t.state != TrialState.COMPLETE:
+            if not claim_complete(t) and t.state != TrialState.COMPLETE:
                 # a claim still being written (Optuna sets the params one by one after `ask`), or one
                 # whose worker died before its claim was complete: nothing was launched for it
                 if t.state not in (TrialState.RUNNING, TrialState.WAITING):
@@ -220,9 +225,9 @@ class Ledger:
         while True:
             earlier = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.COMPLETE, TrialState.FAIL)) if t.number < number]
             for t in earlier:
-                if "params" in t.user_attrs and trial_params(t) == params and "repeat_of" not in t.user_attrs and "duplicate_of" not in t.user_attrs and trial_status(t) != "interrupted":
+                if claim_complete(t) and trial_params(t) == params and "repeat_of" not in t.user_attrs and "duplicate_of" not in t.user_attrs and trial_status(t) != "interrupted":
                     return t.number
-            writing = any(t.state == TrialState.RUNNING and "params" not in t.user_attrs for t in earlier)
+            writing = any(t.state == TrialState.RUNNING and not claim_complete(t) for t in earlier)
             if not writing or time.monotonic() > deadline:
                 return None
             time.sleep(0.05)
