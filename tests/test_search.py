@@ -562,6 +562,27 @@ def test_a_claim_of_the_same_params_still_being_written_by_an_earlier_trial_is_w
     assert study.trials[-1].state == optuna.trial.TrialState.PRUNED and study.trials[-1].user_attrs["duplicate_of"] == early.number
 
 
+def test_a_claim_its_worker_died_writing_is_waited_for_once(tmp_path, monkeypatch):
+    """Worker A died between `ask` and its params: its trial stays RUNNING, half-written, until its
+    heartbeat fails it. Worker B waits CLAIM_WAIT_S for it once, not at each of its claims."""
+    from mlautotune.search import ledger as ledger_module
+    from mlautotune.search.ledger import Fixed
+
+    storage = f"sqlite:///{tmp_path / 'o.db'}"
+    a, study = tuner(make_plan(stages=[0]), Landscape(), storage, alone=False)
+    b, _ = tuner(make_plan(stages=[0]), Landscape(), storage, alone=False)
+    a.ledger.study.sampler = Fixed({"stage": 0})
+    a.ledger.study.ask({"stage": a.ledger.dists["stage"]})  # A dies here
+    monkeypatch.setattr(ledger_module, "CLAIM_WAIT_S", 0.2)
+    sleeps = []
+    real_sleep = ledger_module.time.sleep
+    monkeypatch.setattr(ledger_module.time, "sleep", lambda s: (sleeps.append(s), real_sleep(s)))
+    first = b.ledger.claim({"stage": 0, "micro_batch": 4, "gas": 1})
+    waited = len(sleeps)
+    second = b.ledger.claim({"stage": 0, "micro_batch": 8, "gas": 1})
+    assert first is not None and second is not None and waited > 0 and len(sleeps) == waited
+
+
 def test_a_failed_first_run_does_not_end_the_session():
     """A crash that is not an OOM (a port clash, a flaky collective) at the first size: the
     profiling goes on with the next size instead of giving up with no result."""

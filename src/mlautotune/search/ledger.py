@@ -23,7 +23,7 @@ from optuna.trial import FrozenTrial, TrialState
 from mlautotune.experiment import Result
 from mlautotune.search.candidates import params_key
 
-CLAIM_WAIT_S = 2.0  # how long a claim waits for an earlier claim still being written (a dead one stays RUNNING until its heartbeat fails it)
+CLAIM_WAIT_S = 2.0  # how long a claim waits for an earlier claim still being written (a dead one stays RUNNING until its heartbeat fails it: waited for once)
 MAX_CUT_OFF = 3  # a configuration whose experiment was cut off this often is not run again
 
 METRIC_KEYS = {"throughput": "throughput", "latency": "latency", "FLOPS": "FLOPS_per_gpu"}
@@ -120,6 +120,7 @@ class Ledger:
         self.cut_off: Dict[str, Dict[str, Any]] = {}  # configurations whose trial was cut off (a worker died or was interrupted): key -> params
         self.cut_off_times: Dict[str, int] = {}  # how often each was cut off
         self._loaded: set = set()
+        self._stuck_claims: set = set()  # trials whose claim was waited for in vain: their worker died mid-claim
         self.alone = alone
         self._adopt_dead_trials(alone)
         self.refresh()
@@ -220,15 +221,19 @@ class Ledger:
 
     def _earlier_claim(self, number: int, params: Dict[str, Any]) -> Optional[int]:
         """The earlier trial that holds these params, if any. An earlier claim still being written
-        (its params are set one by one) is waited for, up to CLAIM_WAIT_S: it may be the holder."""
+        (its params are set one by one) is waited for, up to CLAIM_WAIT_S: it may be the holder. One
+        still unwritten after that was cut off mid-claim, and is not waited for again."""
         deadline = time.monotonic() + CLAIM_WAIT_S
         while True:
             earlier = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.COMPLETE, TrialState.FAIL)) if t.number < number]
             for t in earlier:
                 if claim_complete(t) and trial_params(t) == params and "repeat_of" not in t.user_attrs and "duplicate_of" not in t.user_attrs and trial_status(t) != "interrupted":
                     return t.number
-            writing = any(t.state == TrialState.RUNNING and not claim_complete(t) for t in earlier)
-            if not writing or time.monotonic() > deadline:
+            writing = {t.number for t in earlier if t.state == TrialState.RUNNING and not claim_complete(t)} - self._stuck_claims
+            if not writing:
+                return None
+            if time.monotonic() > deadline:
+                self._stuck_claims |= writing
                 return None
             time.sleep(0.05)
 
