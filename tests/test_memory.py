@@ -52,6 +52,29 @@ def test_two_points_fit_the_activation_line_and_predict_the_largest_micro_batch(
     assert m.fits(3, m.max_micro_batch(0))  # stage 3 keeps less per rank
 
 
+def test_memory_that_grows_faster_at_larger_micro_batches_puts_the_edge_under_it():
+    """A CPU rank's RSS grows faster than linearly. Recorded (benchmarks/landscapes/cpu_gpt-4M_fast.json,
+    z0, 1 rank, limit 1.2 GiB): it fits at 24 and grows 23 MB per sample from 16 to 24, so it runs out
+    of memory from 30 on (32 recorded). The line through 1, 4, 8 and 16 says 31 fits; the steepest
+    growth seen, 4 -> 8, carried on beyond 8, does not."""
+    peaks = {1: 675713024, 4: 728145920, 8: 820371456, 16: 975826944, 24: 1160052736}
+    m = MemoryModel(4240896, 4240896, {"optimizer": {"type": "Adam"}}, 1, 1, 1288490188, "cpu")
+    for mbs in (1, 4, 8, 16):
+        m.observe(0, mbs, peaks[mbs], oom=False)
+    over = 24 + (1288490188 - peaks[24]) / ((peaks[24] - peaks[16]) / 8)
+    assert 24 <= m.max_micro_batch(0) < over < 30
+
+
+def test_memory_linear_in_the_micro_batch_keeps_the_line_whatever_each_stage_s_slope():
+    """Per-stage slopes differ (fragmentation, buffers); none is curvature: the edge is the line's."""
+    m = model(world=2, n=10_000_000)
+    for stage, slope in ((0, 100), (2, 110)):
+        for mbs in (1, 4, 16):
+            m.observe(stage, mbs, int(m.model_states(stage) + 1 * GiB + mbs * slope * 2**20), oom=False)
+    for stage in (0, 1, 2, 3):
+        assert m.max_micro_batch(stage) == int((16 * GiB - m.predict(stage, 0)) / m.per_sample)
+
+
 def test_calibration_moves_predictions_towards_measurements_and_logs_errors():
     m = model(world=2, n=10_000_000)
     m.observe(0, 1, 2 * GiB, oom=False)

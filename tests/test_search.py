@@ -265,7 +265,7 @@ class ChunkyMemory(Landscape):
 
 def test_on_cpu_an_oom_at_the_predicted_edge_steps_back_5_percent_not_one():
     """Seen side by side with DeepSpeed's tuner: z0 at 30 and at 29 both ran 0.5% over the limit."""
-    land = ChunkyMemory(per_sample=100 * 2**20)
+    land = ChunkyMemory(per_sample=130 * 2**20)  # the first edge guess, from 1 and 4, runs out of memory
     out = tuner(make_plan(stages=[0]), land, tuner_type="gridsearch")[0].tune()
     line = [(m.params["micro_batch"], m.result.status) for m in out.measured]
     first_oom = next(i for i, (_, status) in enumerate(line) if status == "oom")
@@ -274,6 +274,18 @@ def test_on_cpu_an_oom_at_the_predicted_edge_steps_back_5_percent_not_one():
     assert sum(status == "oom" for _, status in line) == 1, line
     top = max(mbs for mbs, status in line if status == "ok")
     assert land.peak(0, top) <= LIMIT and top >= 0.95 * min(mbs for mbs, status in line if status == "oom") - 1
+
+
+def test_on_cpu_two_profiling_sizes_in_one_allocator_chunk_do_not_send_the_edge_to_the_cap():
+    """1 and 4 samples peak at the same RSS (one 384 MiB chunk): a line through them grows by nothing
+    and fits any size, and the edge search used to start at the cap (1024) and run out of memory 8
+    times on the way down. Without growth seen, it doubles until the peaks grow."""
+    land = ChunkyMemory(per_sample=60 * 2**20)
+    assert land.peak(0, 1) == land.peak(0, 4)
+    out = tuner(make_plan(stages=[0]), land, tuner_type="gridsearch")[0].tune()
+    line = [(m.params["micro_batch"], m.result.status) for m in out.measured]
+    assert sum(status == "oom" for _, status in line) <= 1, line
+    assert max(mbs for mbs, status in line if status == "ok") >= 0.95 * max(m for m in range(1, 100) if land.peak(0, m) <= LIMIT)
 
 
 class KnobMemory(Landscape):

@@ -7,7 +7,9 @@ data-parallel degree (world_size // mp_size), with offloaded parts removed. `per
 (activations) is fitted by least squares to the peaks that experiments measure, and refitted as
 every result comes in. `fixed` (runtime, buffers, framework) is fitted per stage once the stage has
 measurements of its own (ZeRO's buckets and prefetch buffers differ by stage), else shared.
-An OOM is a hard bound: no micro-batch at or above it is predicted to fit, in that stage or in any
+Where a stage's memory grows faster somewhere than its own fitted line says (a CPU rank's RSS),
+that growth carries on beyond its largest run, from the run's measured peak, in the edge prediction
+of every stage. An OOM is a hard bound: no micro-batch at or above it is predicted to fit, in that stage or in any
 stage with more memory per rank. In a stage with no successful run yet, an OOM also calibrates:
 its peak (at least the limit) is a lower bound on the stage's fixed part, so the next prediction
 lands below it by the right amount instead of one micro-batch lower.
@@ -20,6 +22,8 @@ import numpy as np
 OPTIMIZER_BYTES = {"adam": 8, "adamw": 8, "fusedadam": 8, "cpuadam": 8, "onebitadam": 8, "zerooneadam": 8, "onebitlamb": 8, "lamb": 8, "adagrad": 4}
 PRIOR_PER_SAMPLE_FRACTION = 0.02  # before two micro-batch sizes are measured: 2% of the fixed part per sample
 MAX_MICRO_BATCH = 1 << 16
+MIN_PER_SAMPLE = 1.0  # bytes: the fitted growth per sample is at least this (peaks that do not grow)
+SECANT_RATIO = 1.5  # runs closer than this in micro-batch do not tell memory growth from allocator steps
 
 
 class MemoryModel:
@@ -96,7 +100,7 @@ class MemoryModel:
             num += float(((xs - xs.mean()) * (ys - ys.mean())).sum())
             den += float(((xs - xs.mean()) ** 2).sum())
         ys_all = np.array([y for _, _, y in ok], dtype=float)
-        self.per_sample = max(num / den, 1.0) if den > 0 else PRIOR_PER_SAMPLE_FRACTION * max(float(ys_all.mean()), 1.0)
+        self.per_sample = max(num / den, MIN_PER_SAMPLE) if den > 0 else PRIOR_PER_SAMPLE_FRACTION * max(float(ys_all.mean()), 1.0)
         self.fixed = float(np.mean([y - self.per_sample * m for _, m, y in ok]))
         self.stage_fixed = {}
         for stage in {s for s, _, _, _ in self.points}:
@@ -115,7 +119,34 @@ class MemoryModel:
         if self.limit is None or self.fixed is None or not self.per_sample:
             return top
         room = (self.limit - self.predict(stage, 0)) / self.per_sample
+        for ratio, top_run, excess in self._curvature():  # beyond a run where memory grew faster than its line
+            if room > top_run:
+                room = top_run + (self.limit - self.predict(stage, top_run) - excess) / (self.per_sample * ratio)
         return max(0, min(top, int(room)))
+
+    def _curvature(self) -> List[tuple]:
+        """Memory that grows faster at larger micro-batches (a CPU rank's RSS) grows at least as fast
+        beyond them: for each stage whose steepest growth between two runs (SECANT_RATIO or more
+        apart) is steeper than the stage's own least-squares line, (how many times steeper, the
+        stage's largest run, how far that run's peak is above the fitted line). Memory linear in
+        the micro-batch has none."""
+        curves = []
+        for stage in {s for s, _, _, oom in self.points if not oom}:
+            runs = sorted((m, peak) for s, m, peak, oom in self.points if s == stage and not oom)
+            if len(runs) < 3:
+                continue
+            xs, ys = np.array([m for m, _ in runs], dtype=float), np.array([p for _, p in runs], dtype=float)
+            own = float(((xs - xs.mean()) * (ys - ys.mean())).sum() / ((xs - xs.mean()) ** 2).sum())
+            steepest = max(((p2 - p1) / (m2 - m1) for i, (m1, p1) in enumerate(runs) for m2, p2 in runs[i + 1:] if m2 >= m1 * SECANT_RATIO), default=0.0)
+            if own > 0 and steepest > own:
+                top, peak = runs[-1]
+                curves.append((steepest / own, top, max(0.0, peak - self.predict(stage, top))))
+        return curves
+
+    def grows(self) -> bool:
+        """Whether the peaks seen grow with the micro-batch at all. Two sizes within one allocator chunk
+        (a CPU rank's RSS) have the same peak: a line through them puts the edge at any size."""
+        return self.per_sample is not None and self.per_sample > MIN_PER_SAMPLE
 
     def per_sample_measured(self) -> bool:
         """Whether the per-sample slope comes from runs (two sizes in one stage), not the prior."""

@@ -56,7 +56,7 @@ class Lines:
         st = self.st
         if st.plan.micro_batch.mode != "min":
             return None
-        if st.memory is not None:
+        if st.memory is not None and st.memory.grows():
             return st.memory.max_micro_batch(stage, cap=st.cap) or None
         return max((m for m, _ in own), default=None)
 
@@ -64,7 +64,7 @@ class Lines:
         st = self.st
         if st.plan.micro_batch.mode != "min":
             return None
-        if predicted is None and st.memory is not None:
+        if predicted is None and st.memory is not None and st.memory.grows():
             predicted = st.memory.max_micro_batch(stage, cap=st.cap)
         return edge_probe([m for m, _ in own], ooms, st.low, st.cap, predicted, chunky=st.s.device == "cpu")
 
