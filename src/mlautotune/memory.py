@@ -9,8 +9,8 @@ every result comes in. `fixed` (runtime, buffers, framework) is fitted per stage
 measurements of its own (ZeRO's buckets and prefetch buffers differ by stage), else shared.
 Where a stage's memory grows faster somewhere than its own fitted line says (a CPU rank's RSS),
 that growth carries on beyond its largest run, from the run's measured peak, in the edge prediction
-of every stage. An OOM is a hard bound: no micro-batch at or above it is predicted to fit, in that stage or in any
-stage with more memory per rank. In a stage with no successful run yet, an OOM also calibrates:
+of every stage. An OOM is a hard bound: no micro-batch at or above it is predicted to fit, in that
+stage or in any stage with more memory per rank. In a stage with no successful run yet, an OOM also calibrates:
 its peak (at least the limit) is a lower bound on the stage's fixed part, so the next prediction
 lands below it by the right amount instead of one micro-batch lower.
 """
@@ -95,10 +95,8 @@ class MemoryModel:
             return
         num = den = 0.0
         for stage in {s for s, _, _ in ok}:
-            xs = np.array([m for s, m, _ in ok if s == stage], dtype=float)
-            ys = np.array([y for s, _, y in ok if s == stage], dtype=float)
-            num += float(((xs - xs.mean()) * (ys - ys.mean())).sum())
-            den += float(((xs - xs.mean()) ** 2).sum())
+            n, d = _moments([(m, y) for s, m, y in ok if s == stage])
+            num, den = num + n, den + d
         ys_all = np.array([y for _, _, y in ok], dtype=float)
         self.per_sample = max(num / den, MIN_PER_SAMPLE) if den > 0 else PRIOR_PER_SAMPLE_FRACTION * max(float(ys_all.mean()), 1.0)
         self.fixed = float(np.mean([y - self.per_sample * m for _, m, y in ok]))
@@ -135,8 +133,8 @@ class MemoryModel:
             runs = sorted((m, peak) for s, m, peak, oom in self.points if s == stage and not oom)
             if len(runs) < 3:
                 continue
-            xs, ys = np.array([m for m, _ in runs], dtype=float), np.array([p for _, p in runs], dtype=float)
-            own = float(((xs - xs.mean()) * (ys - ys.mean())).sum() / ((xs - xs.mean()) ** 2).sum())
+            n, d = _moments(runs)
+            own = n / d if d > 0 else 0.0
             steepest = max(((p2 - p1) / (m2 - m1) for i, (m1, p1) in enumerate(runs) for m2, p2 in runs[i + 1:] if m2 >= m1 * SECANT_RATIO), default=0.0)
             if own > 0 and steepest > own:
                 top, peak = runs[-1]
@@ -168,6 +166,12 @@ class MemoryModel:
             return "not fitted yet"
         limit = f"{self.limit / gib:.2f} GiB" if self.limit else "none"
         return f"fixed {self.fixed / gib:.2f} GiB + states + {self.per_sample / 2**20:.1f} MiB/sample (limit {limit}/rank, dp {self.dp})"
+
+
+def _moments(points: List[tuple]) -> tuple:
+    """(sum of (x - mean x)(y - mean y), sum of (x - mean x)^2) over (x, y) points: a least-squares slope is their ratio."""
+    xs, ys = np.array([x for x, _ in points], dtype=float), np.array([y for _, y in points], dtype=float)
+    return float(((xs - xs.mean()) * (ys - ys.mean())).sum()), float(((xs - xs.mean()) ** 2).sum())
 
 
 def optimizer_bytes(optimizer: Optional[Dict[str, Any]]) -> int:
