@@ -67,6 +67,7 @@ def make_plan(stages=(0, 1, 2, 3), mbs=MicroBatchRule("min", (1,)), knobs=None, 
         mp_size=1,
         fast=fast,
         base_config={"optimizer": {"type": "AdamW"}},
+        data_parallel=2,  # the tuner's world size (tuner())
     )
 
 
@@ -156,11 +157,13 @@ def test_readme_micro_batch_rules():
     assert {m.params["micro_batch"] for m in fixed.tune().measured} == {4}
     listed, _ = tuner(make_plan(stages=[1], mbs=MicroBatchRule("list", (1, 4, 16))), land, tuner_type="gridsearch")
     assert {m.params["micro_batch"] for m in listed.tune().measured} <= {1, 4, 16}
-    # max_train_batch_size caps mbs * gas * world_size: 24 / (2 * 2 ranks) -> 6
+    # max_train_batch_size, as DeepSpeed's autotuner: each experiment accumulates 24 // (mbs x 2 ranks)
+    # steps (the user's gas 2 is not used), up to micro-batch 12 at gas 1
     capped, _ = tuner(make_plan(stages=[0], max_tbs=24, gas=2), land, tuner_type="gridsearch")
     out = capped.tune()
-    assert max(m.params["micro_batch"] for m in out.measured) == 6
-    assert all(m.params["gas"] == 2 for m in out.measured)
+    assert max(m.params["micro_batch"] for m in out.measured) == 12
+    assert all(m.params["gas"] == 12 // m.params["micro_batch"] for m in out.measured)
+    assert {m.params["gas"] for m in out.measured} > {1}
 
 
 def test_latency_is_minimised():

@@ -36,6 +36,15 @@ class TuningPlan:
     notices: List[str] = field(default_factory=list)  # one-line notices for the user (ignored keys, hints)
     arg_mappings: Dict[str, str] = field(default_factory=dict)  # the user's, plus the HF Trainer's flags for "auto" batch keys
     hf_trainer: bool = False  # a Hugging Face Trainer script: it resolves the ds_config's other "auto" values itself
+    data_parallel: int = 1  # data-parallel ranks (world size / mp_size)
+
+    def gas_for(self, mbs: int) -> int:
+        """An experiment's gradient accumulation. With max_train_batch_size, as DeepSpeed's autotuner:
+        the most steps that keep the global batch within it, so gradient accumulation is tuned with
+        the micro-batch (z0_gas2_tmbspg15 for 30 on one rank); else the user's."""
+        if self.max_train_batch_size:
+            return max(1, self.max_train_batch_size // (int(mbs) * self.data_parallel))
+        return self.gas
 
     @property
     def micro_batch_max(self) -> int:
@@ -98,15 +107,18 @@ def build_plan(ds_config: Dict[str, Any], at: Any, space: Any, script_args: List
     micro_batch = _bounded(micro_batch, at, gas * dp, notices)
     if "train_batch_size" in ds_config:
         notices.append("train_batch_size is ignored while tuning: it follows from micro-batch x gradient accumulation x GPUs (README).")
-    smallest = min(micro_batch.values) * gas * dp
+    smallest = min(micro_batch.values) * dp
     if at.max_train_batch_size is not None and at.max_train_batch_size < smallest:
         raise UserError(
-            f"autotuning.max_train_batch_size={at.max_train_batch_size} is smaller than the smallest possible batch {smallest} (micro-batch {min(micro_batch.values)} x gradient accumulation {gas} x {dp} data-parallel ranks).",
+            f"autotuning.max_train_batch_size={at.max_train_batch_size} is smaller than the smallest possible batch {smallest} (micro-batch {min(micro_batch.values)} x gradient accumulation 1 x {dp} data-parallel ranks).",
             f"Raise max_train_batch_size to at least {smallest}, or lower the micro-batch.",
         )
+    if at.max_train_batch_size is not None:
+        notices.append(f"gradient accumulation is tuned with the micro-batch: each experiment accumulates max_train_batch_size // (micro-batch x {dp} data-parallel ranks) steps, as DeepSpeed's autotuner does"
+                       + (f" (gradient_accumulation_steps {gas} is not used while tuning)." if gas != 1 else "."))
     base = {k: v for k, v in ds_config.items() if k not in TUNED_TOP_LEVEL}
     base["zero_optimization"] = fixed_zero
-    return TuningPlan(stages, knobs, micro_batch, gas, at.max_train_batch_size, mp, bool(at.fast), base, notices, mappings, hf_trainer)
+    return TuningPlan(stages, knobs, micro_batch, gas, at.max_train_batch_size, mp, bool(at.fast), base, notices, mappings, hf_trainer, dp)
 
 
 def _bounded(rule: MicroBatchRule, at: Any, per_micro_batch: int, notices: List[str]) -> MicroBatchRule:
@@ -260,7 +272,7 @@ def experiment_config(plan: TuningPlan, stage: int, mbs: int, knobs: Dict[str, A
     zero.update({k: _as_int(v) for k, v in knobs.items()})
     cfg["zero_optimization"] = zero
     cfg["train_micro_batch_size_per_gpu"] = int(mbs)
-    cfg["gradient_accumulation_steps"] = int(plan.gas)
+    cfg["gradient_accumulation_steps"] = plan.gas_for(mbs)
     return cfg
 
 
@@ -269,7 +281,7 @@ def plan_text(plan: TuningPlan) -> str:
     lines = [
         f"stages: {plan.stages}  ({'fast mode: stage and micro-batch only' if plan.fast else 'full mode: ZeRO knobs too'})",
         f"micro-batch per GPU: {rule} (at most {plan.micro_batch_max})",
-        f"gradient accumulation: {plan.gas}",
+        f"gradient accumulation: {'max_train_batch_size // (micro-batch x data-parallel ranks)' if plan.max_train_batch_size else plan.gas}",
         f"max_train_batch_size: {plan.max_train_batch_size}   mp_size: {plan.mp_size}",
     ]
     for s in plan.stages:

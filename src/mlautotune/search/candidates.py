@@ -27,7 +27,7 @@ def base_knobs(plan: TuningPlan, stage: int) -> Dict[str, Any]:
 
 
 def with_knobs(plan: TuningPlan, stage: int, mbs: int, knobs: Dict[str, Any]) -> Dict[str, Any]:
-    return {"stage": stage, "micro_batch": int(mbs), "gas": plan.gas, **knobs}
+    return {"stage": stage, "micro_batch": int(mbs), "gas": plan.gas_for(mbs), **knobs}
 
 
 def stage_knob_combos(plan: TuningPlan, stage: int) -> List[Dict[str, Any]]:
@@ -42,11 +42,11 @@ def knobs_of_params(params: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def micro_batch_cap(plan: TuningPlan, world_size: int) -> int:
-    """The largest micro-batch allowed: max_train_micro_batch_size_per_gpu, and max_train_batch_size if it is set."""
+    """The largest micro-batch allowed: max_train_micro_batch_size_per_gpu, and max_train_batch_size if it is
+    set (with gradient accumulation 1, TuningPlan.gas_for)."""
     cap = plan.micro_batch_max
     if plan.max_train_batch_size:
-        per_mbs = plan.gas * max(1, world_size // plan.mp_size)
-        cap = min(cap, max(1, plan.max_train_batch_size // per_mbs))
+        cap = min(cap, max(1, plan.max_train_batch_size // max(1, world_size // plan.mp_size)))
     return cap
 
 
