@@ -1,6 +1,7 @@
 """Side by side with DeepSpeed's own autotuner: `deepspeed --autotuning tune` (the installed package)
 and `python -m mlautotune`, one after the other, on the same script, ds_config and space (fast mode,
-ZeRO stages 0-3, micro-batch <= 64, one CPU rank), then both picks re-measured by the same long
+ZeRO stages 0-3, max_train_batch_size 64 (micro-batch <= 64; each experiment's gradient accumulation fills
+64 samples, DeepSpeed's rule and mlautotune's), one CPU rank), then both picks re-measured by the same long
 measurement through mlautotune's runner, alternately.
 
     python benchmarks/versus_deepspeed.py --out /tmp/versus [--workloads bundled,edge] [--repeats 3] [--timeout 3600]
@@ -13,9 +14,10 @@ as a file; DeepSpeed's autotuner passes base64 JSON there), for both tools:
   micro-batch edge inside the space (~24 for stages 0-2, ~16 for stage 3 on the development machine).
   DeepSpeed's autotuner cannot be given that limit on CPU: its memory model reads total_memory(),
   all of host RAM, and it only sees a failure when the kernel kills a process or stderr says
-  "error". Its nearest equivalent is max_train_batch_size: DeepSpeed gets max_train_batch_size =
+  "error". Its nearest equivalent is a micro-batch cap: DeepSpeed gets max_train_micro_batch_size_per_gpu =
   the largest micro-batch mlautotune ran under the limit (so mlautotune runs first on this
-  workload). That hands DeepSpeed the edge for free, which flatters it.
+  workload), with the same max_train_batch_size as mlautotune. That hands DeepSpeed the edge for
+  free, which flatters it.
 
 What DeepSpeed's autotuner needs on CPU, all provided here: one rank (`--num_gpus 1`), MLFLOW_RUN_ID
 set when mlflow is installed (defect 1; a run is created in a file store under --out), the
@@ -58,14 +60,16 @@ WORKLOADS = {
 MAX_MBS = 64
 
 
-def ds_config(max_train_batch_size: int) -> Dict[str, Any]:
-    """One ds_config for both tools: DeepSpeed's own keys only (mlautotune's extras go on its command line)."""
+def ds_config(max_train_batch_size: int, max_micro_batch: Optional[int] = None) -> Dict[str, Any]:
+    """One ds_config for both tools: DeepSpeed's own keys only (mlautotune's extras go on its command line);
+    `max_micro_batch`: DeepSpeed's max_train_micro_batch_size_per_gpu (the edge mlautotune found)."""
+    cap = {} if max_micro_batch is None else {"max_train_micro_batch_size_per_gpu": max_micro_batch}
     return {
         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "steps_per_print": 1000,
         "optimizer": {"type": "Adam", "params": {"lr": 3e-4}},
         "zero_optimization": {"stage": "all"},
         "autotuning": {"enabled": True, "fast": True, "metric": "throughput", "max_train_batch_size": max_train_batch_size,
-                       "start_profile_step": 3, "end_profile_step": 5, "arg_mappings": ARG_MAPPINGS},
+                       "start_profile_step": 3, "end_profile_step": 5, "arg_mappings": ARG_MAPPINGS, **cap},
     }
 
 
@@ -133,9 +137,9 @@ def free_port_range(n: int = 64) -> int:
     raise RuntimeError("no free port range")
 
 
-def run_deepspeed(work: Path, args: List[str], cap: int, timeout: float) -> Dict[str, Any]:
+def run_deepspeed(work: Path, args: List[str], micro_cap: Optional[int], timeout: float) -> Dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
-    (work / "ds.json").write_text(json.dumps(ds_config(cap), indent=1))
+    (work / "ds.json").write_text(json.dumps(ds_config(MAX_MBS, micro_cap), indent=1))
     env = {**os.environ, **mlflow_run(work)}
     base = free_port_range()
     cmd = [str(VENV_BIN / "deepspeed"), "--autotuning", "tune", "--num_gpus", "1", "--master_port", str(base), str(SCRIPT), "--deepspeed_config", "ds.json", *args]
@@ -205,7 +209,7 @@ def main() -> None:
             ml = run_mlautotune(base / "mlautotune", w["args"], MAX_MBS, w["memory_limit"], args.timeout)
             ds = run_deepspeed(base / "deepspeed", w["args"], ml["largest_ok_micro_batch"] or MAX_MBS, args.timeout)
         else:
-            ds = run_deepspeed(base / "deepspeed", w["args"], MAX_MBS, args.timeout)
+            ds = run_deepspeed(base / "deepspeed", w["args"], None, args.timeout)
             ml = run_mlautotune(base / "mlautotune", w["args"], MAX_MBS, None, args.timeout)
         picks = {tool: r["pick"] for tool, r in (("deepspeed", ds), ("mlautotune", ml)) if r["pick"]}
         long = remeasure(picks, w["args"], base / "remeasure", args.window, args.repeats) if picks else {}
