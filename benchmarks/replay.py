@@ -56,7 +56,8 @@ def run_product(land: Dict[str, Any], runner: LandscapeRunner, tuner_type: str, 
     p, at, search = land["plan"], AutotuningConf(), SearchConf()
     plan = TuningPlan(stages=list(p["stages"]), knobs={int(s): v for s, v in p["knobs"].items()},
                       micro_batch=MicroBatchRule(p["micro_batch"]["mode"], tuple(p["micro_batch"]["values"])), gas=p["gas"],
-                      max_train_batch_size=p.get("max_train_batch_size"), mp_size=1, fast=p["fast"], base_config=p.get("base_config", {}))
+                      max_train_batch_size=p.get("max_train_batch_size"), mp_size=1, fast=p["fast"], base_config=p.get("base_config", {}),
+                      data_parallel=land["world_size"])
     target = yaml.safe_load((HERE.parent / "conf" / "tuner" / f"{tuner_type}.yaml").read_text())
     target = {k: (seed if v == "${search.seed}" else v) for k, v in target.items()}
     settings = SearchSettings(metric=land.get("metric", at.metric), tuner_type=tuner_type, seed=seed, early_stopping=at.tuner_early_stopping,

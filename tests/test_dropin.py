@@ -95,6 +95,9 @@ def test_max_train_batch_size_tunes_gradient_accumulation_with_the_micro_batch_a
     assert experiment_name(0, p["gas"], 15, {}) == "z0_gas2_tmbspg15"
     assert experiment_config(plan, 0, 15, {})["gradient_accumulation_steps"] == 2
     assert any("gradient_accumulation_steps 3 is not used while tuning" in n for n in plan.notices)
+    from mlautotune.space import plan_text
+
+    assert "gradient accumulation: max_train_batch_size // (micro-batch x data-parallel ranks)" in plan_text(plan)  # what `mlautotune plan` says
     two = plan_of(cfg, {"autotuning": {"enabled": True, "max_train_batch_size": 32}}, world_size=2)
     assert two.gas_for(4) == 4 and micro_batch_cap(two, 2) == 16  # 4 x 4 x 2 ranks = 32
     fixed = plan_of(cfg, {"gradient_accumulation_steps": 3, "autotuning": {"enabled": True}})

@@ -280,7 +280,7 @@ def plan_text(plan: TuningPlan) -> str:
     rule = {"min": f"from {plan.micro_batch.values[0]} up to the largest that fits", "list": f"exactly {list(plan.micro_batch.values)}", "fixed": f"fixed at {plan.micro_batch.values[0]}"}[plan.micro_batch.mode]
     lines = [
         f"stages: {plan.stages}  ({'fast mode: stage and micro-batch only' if plan.fast else 'full mode: ZeRO knobs too'})",
-        f"micro-batch per GPU: {rule} (at most {plan.micro_batch_max})",
+        f"micro-batch per GPU: {rule} (at most {plan.micro_batch_max}{f', and max_train_batch_size // {plan.data_parallel} data-parallel ranks' if plan.max_train_batch_size else ''})",
         f"gradient accumulation: {'max_train_batch_size // (micro-batch x data-parallel ranks)' if plan.max_train_batch_size else plan.gas}",
         f"max_train_batch_size: {plan.max_train_batch_size}   mp_size: {plan.mp_size}",
     ]
