@@ -18,7 +18,7 @@ from test_bad_inputs import run_cli
 
 from mlautotune.config import register_configs, settings
 from mlautotune.lifeline import release_shared_memory
-from mlautotune.search import first_experiments, micro_batch_cap
+from mlautotune.search import first_experiments
 from mlautotune.session import is_hf_trainer
 from mlautotune.space import build_plan, experiment_config
 from mlautotune.workloads import GPT_SCRIPT
@@ -73,13 +73,13 @@ def test_micro_batch_bounds_reach_the_plan_and_the_first_experiments(cfg):
     ds = {"train_micro_batch_size_per_gpu": 2, "autotuning": {"enabled": True, "min_train_micro_batch_size_per_gpu": 3, "max_train_micro_batch_size_per_gpu": 8}}
     plan = plan_of(cfg, ds)
     assert plan.micro_batch.values == (3,) and plan.micro_batch_max == 8
-    assert micro_batch_cap(plan, 2) == 8
-    assert [p["micro_batch"] for p in first_experiments(plan, 2)] == [3]  # 4x = 12 is above the maximum
+    assert plan.micro_batch_cap == 8
+    assert [p["micro_batch"] for p in first_experiments(plan)] == [3]  # 4x = 12 is above the maximum
     plan = plan_of(cfg, {"autotuning": {"enabled": True, "min_train_batch_size": 16}})
     assert plan.micro_batch.values == (8,)  # 8 x gas 1 x 2 ranks = 16
     plan = plan_of(cfg, {"train_micro_batch_size_per_gpu": [1, 4, 64], "autotuning": {"enabled": True, "max_train_micro_batch_size_per_gpu": 32}})
     assert plan.micro_batch.values == (1, 4) and any("left out: [64]" in n for n in plan.notices)
-    assert micro_batch_cap(plan_of(cfg, {"autotuning": {"enabled": True, "max_train_batch_size": 8}}), 2) == 4
+    assert plan_of(cfg, {"autotuning": {"enabled": True, "max_train_batch_size": 8}}).micro_batch_cap == 4
 
 
 def test_max_train_batch_size_tunes_gradient_accumulation_with_the_micro_batch_as_deepspeed_does(cfg):
@@ -90,7 +90,7 @@ def test_max_train_batch_size_tunes_gradient_accumulation_with_the_micro_batch_a
     from mlautotune.space import experiment_name
 
     plan = plan_of(cfg, {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 3, "autotuning": {"enabled": True, "max_train_batch_size": 30}}, world_size=1)
-    assert [plan.gas_for(m) for m in (1, 4, 15, 16, 30)] == [30, 7, 2, 1, 1] and micro_batch_cap(plan, 1) == 30
+    assert [plan.gas_for(m) for m in (1, 4, 15, 16, 30)] == [30, 7, 2, 1, 1] and plan.micro_batch_cap == 30
     p = base_params(plan, 0, 15)
     assert experiment_name(0, p["gas"], 15, {}) == "z0_gas2_tmbspg15"
     assert experiment_config(plan, 0, 15, {})["gradient_accumulation_steps"] == 2
@@ -99,7 +99,7 @@ def test_max_train_batch_size_tunes_gradient_accumulation_with_the_micro_batch_a
 
     assert "gradient accumulation: max_train_batch_size // (micro-batch x data-parallel ranks)" in plan_text(plan)  # what `mlautotune plan` says
     two = plan_of(cfg, {"autotuning": {"enabled": True, "max_train_batch_size": 32}}, world_size=2)
-    assert two.gas_for(4) == 4 and micro_batch_cap(two, 2) == 16  # 4 x 4 x 2 ranks = 32
+    assert two.gas_for(4) == 4 and two.micro_batch_cap == 16  # 4 x 4 x 2 ranks = 32
     fixed = plan_of(cfg, {"gradient_accumulation_steps": 3, "autotuning": {"enabled": True}})
     assert fixed.gas_for(1) == fixed.gas_for(64) == 3  # no max_train_batch_size: the user's
 
@@ -270,7 +270,7 @@ def test_cmd_optimal_is_the_experiment_command_with_arg_mappings_at_any_depth(tm
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[f"config={tmp_path / 'ds.json'}", "launcher.num_gpus=2", "launcher.master_port=29777", f"autotuning.results_dir={tmp_path / 'r'}"])
     session = open_session(cfg, dry_run=True)
-    params = first_experiments(session.plan, session.world_size)[1]
+    params = first_experiments(session.plan)[1]
     exp = session.make_experiment(params)
     optimal_path = str(session.results_dir / "ds_config_optimal.json")
     cmd = optimal_cmd(session, params, exp.ds_config)

@@ -191,7 +191,7 @@ def test_first_experiments_are_the_profiling_runs(cfg):
     from mlautotune.search import first_experiments
 
     plan = full(cfg, '{"zero_optimization": {"stage": [1, 2]}, "train_micro_batch_size_per_gpu": 2}')
-    first = first_experiments(plan, 2)
+    first = first_experiments(plan)
     assert [(p["stage"], p["micro_batch"]) for p in first] == [(1, 2), (1, 8)]
     assert [experiment_name(1, 1, p["micro_batch"], {k: v for k, v in p.items() if k not in ("stage", "micro_batch", "gas")}) for p in first][0] == "z1_gas1_tmbspg2_agbs5e8_rbs5e8"
 

@@ -260,7 +260,7 @@ def plan_command(cfg: DictConfig) -> None:
     print("autotuning settings (conf < ds_config < command line):")
     print("  " + OmegaConf.to_yaml(session.at).strip().replace("\n", "\n  "))
     print(plan_text(session.plan))
-    first = [session.make_experiment(p) for p in first_experiments(session.plan, session.world_size)]
+    first = [session.make_experiment(p) for p in first_experiments(session.plan)]
     print("first experiments: " + ", ".join(e.name for e in first))
     print("first command: " + shlex.join(plain_command(first[0], str(session.results_dir / first[0].name / "ds_config.json"))))
 
@@ -268,7 +268,7 @@ def plan_command(cfg: DictConfig) -> None:
 def experiment_command(cfg: DictConfig) -> None:
     """Run one experiment of the ds_config (the plan's first configuration) and print the result."""
     session = open_session(cfg, lock=True)
-    exp = session.make_experiment(first_experiments(session.plan, session.world_size)[0])
+    exp = session.make_experiment(first_experiments(session.plan)[0])
     prepare(session.ds_config, lambda text: print(text, flush=True))
     print(f"mlautotune: running {exp.name} ...", flush=True)
     result = session.run(exp)

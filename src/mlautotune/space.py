@@ -47,6 +47,14 @@ class TuningPlan:
         return self.gas
 
     @property
+    def micro_batch_cap(self) -> int:
+        """The largest micro-batch allowed: max_train_micro_batch_size_per_gpu, and with max_train_batch_size
+        the micro-batch that fills it at gradient accumulation 1 (gas_for)."""
+        if self.max_train_batch_size:
+            return min(self.micro_batch_max, max(1, self.max_train_batch_size // self.data_parallel))
+        return self.micro_batch_max
+
+    @property
     def micro_batch_max(self) -> int:
         """autotuning.max_train_micro_batch_size_per_gpu (DeepSpeed's default 1024): the search stays at or below it."""
         return self.micro_batch.max

@@ -11,10 +11,10 @@
 - tuner.py: the loop that asks the strategy, claims a trial, runs it and records it
 """
 
-from mlautotune.search.candidates import base_params, micro_batch_cap, product
+from mlautotune.search.candidates import base_params, product
 from mlautotune.search.ledger import METRIC_KEYS, Measured
 from mlautotune.search.settings import SearchSettings
 from mlautotune.search.profiling import first_experiments
 from mlautotune.search.tuner import Outcome, Tuner
 
-__all__ = ["METRIC_KEYS", "Measured", "Outcome", "SearchSettings", "Tuner", "base_params", "first_experiments", "micro_batch_cap", "product"]
+__all__ = ["METRIC_KEYS", "Measured", "Outcome", "SearchSettings", "Tuner", "base_params", "first_experiments", "product"]

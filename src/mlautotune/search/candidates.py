@@ -41,15 +41,6 @@ def knobs_of_params(params: Dict[str, Any]) -> Dict[str, Any]:
     return {k: v for k, v in params.items() if k not in ("stage", "micro_batch", "gas")}
 
 
-def micro_batch_cap(plan: TuningPlan, world_size: int) -> int:
-    """The largest micro-batch allowed: max_train_micro_batch_size_per_gpu, and max_train_batch_size if it is
-    set (with gradient accumulation 1, TuningPlan.gas_for)."""
-    cap = plan.micro_batch_max
-    if plan.max_train_batch_size:
-        cap = min(cap, max(1, plan.max_train_batch_size // max(1, world_size // plan.mp_size)))
-    return cap
-
-
 def distributions(plan: TuningPlan) -> Dict[str, BaseDistribution]:
     """One distribution per plain param name for the whole study, so trials of every stage share
     them (Optuna refuses a name whose distribution changes): stage and sizes as integers, each knob

@@ -9,7 +9,7 @@ or that is predicted to OOM at the smallest micro-batch, is skipped with no expe
 from typing import Any, Dict, List, Optional, Tuple
 
 from mlautotune.memory import MemoryModel
-from mlautotune.search.candidates import base_knobs, base_params, knobs_of_params, micro_batch_cap, params_key, with_knobs
+from mlautotune.search.candidates import base_knobs, base_params, knobs_of_params, params_key, with_knobs
 from mlautotune.search.ledger import Measured
 from mlautotune.search.step import Step
 from mlautotune.space import TuningPlan
@@ -100,11 +100,11 @@ class Profiling:
         return True
 
 
-def first_experiments(plan: TuningPlan, world_size: int) -> List[Dict[str, Any]]:
+def first_experiments(plan: TuningPlan) -> List[Dict[str, Any]]:
     """The session's first experiments, as `Profiling.step` picks them when they run: the first stage at
     the smallest micro-batch, then (micro-batch rule "min") at PROFILE_FACTOR times it for the
     memory slope. `mlautotune plan` prints these and `mlautotune experiment` runs the first."""
-    cap, low = micro_batch_cap(plan, world_size), min(plan.micro_batch.values)
+    cap, low = plan.micro_batch_cap, min(plan.micro_batch.values)
     first = [base_params(plan, plan.stages[0], low)]
     if plan.micro_batch.mode == "min" and low * PROFILE_FACTOR <= cap:
         first.append(base_params(plan, plan.stages[0], low * PROFILE_FACTOR))

@@ -22,7 +22,6 @@ from typing import Any, Dict, List, Optional
 
 from mlautotune.memory import MemoryModel
 from mlautotune.samplers import make_chooser
-from mlautotune.search.candidates import micro_batch_cap
 from mlautotune.search.knobs import Knobs
 from mlautotune.search.ledger import Ledger, Measured
 from mlautotune.search.lines import Lines
@@ -43,7 +42,7 @@ class Strategy:
     def __init__(self, plan: TuningPlan, settings: SearchSettings):
         self.plan, self.s = plan, settings
         self.chooser = make_chooser(settings.tuner_type, settings.seed, settings.sampler_target)
-        self.cap = micro_batch_cap(plan, settings.world_size)
+        self.cap = plan.micro_batch_cap
         self.low = min(plan.micro_batch.values)
         self.notes: List[str] = []
         self.memory: Optional[MemoryModel] = None
