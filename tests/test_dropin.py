@@ -18,9 +18,9 @@ from test_bad_inputs import run_cli
 
 from mlautotune.config import register_configs, settings
 from mlautotune.lifeline import release_shared_memory
-from mlautotune.search import first_experiments
+from mlautotune.search import base_params, first_experiments
 from mlautotune.session import is_hf_trainer
-from mlautotune.space import build_plan, experiment_config
+from mlautotune.space import build_plan, experiment_config, experiment_name, plan_text
 from mlautotune.workloads import GPT_SCRIPT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,17 +86,12 @@ def test_max_train_batch_size_tunes_gradient_accumulation_with_the_micro_batch_a
     """DeepSpeed's autotuner runs each micro-batch at gas = max_train_batch_size_per_gpu // micro-batch
     (autotuner.py, run_tuning_micro_batch_sizes): seen side by side, its z0_gas2_tmbspg15 (max 30, one
     rank) beat gas 1 by 6%, the optimizer step paid once per 30 samples instead of per 15."""
-    from mlautotune.search.candidates import base_params
-    from mlautotune.space import experiment_name
-
     plan = plan_of(cfg, {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 3, "autotuning": {"enabled": True, "max_train_batch_size": 30}}, world_size=1)
     assert [plan.gas_for(m) for m in (1, 4, 15, 16, 30)] == [30, 7, 2, 1, 1] and plan.micro_batch_cap == 30
     p = base_params(plan, 0, 15)
     assert experiment_name(0, p["gas"], 15, {}) == "z0_gas2_tmbspg15"
     assert experiment_config(plan, 0, 15, {})["gradient_accumulation_steps"] == 2
     assert any("gradient_accumulation_steps 3 is not used while tuning" in n for n in plan.notices)
-    from mlautotune.space import plan_text
-
     assert "gradient accumulation: max_train_batch_size // (micro-batch x data-parallel ranks)" in plan_text(plan)  # what `mlautotune plan` says
     two = plan_of(cfg, {"autotuning": {"enabled": True, "max_train_batch_size": 32}}, world_size=2)
     assert two.gas_for(4) == 4 and two.micro_batch_cap == 16  # 4 x 4 x 2 ranks = 32
