@@ -1,7 +1,7 @@
 """Replay benchmark: the product's search, with only its runner swapped for a landscape lookup,
 and a model of DeepSpeed's own autotuner (ds_baseline.py), against landscapes.
 
-    python benchmarks/replay.py [LANDSCAPE.json ...] [--seeds 5] [--workers 1,2,4] [--json OUT.json]
+    python benchmarks/replay.py [LANDSCAPE.json ...] [--seeds 5] [--workers 1,2,4] [--explore X] [--json OUT.json]
 
 Without landscapes, every file in benchmarks/landscapes/. The product runs with its own defaults
 (conf/: remeasure 1, tuner_early_stopping 5, tuner_num_trials 50, ...), once per tuner type
@@ -42,9 +42,11 @@ HERE = Path(__file__).parent
 STRATEGIES = ("model_based", "gridsearch", "random", "deepspeed_baseline")
 
 
-def run_product(land: Dict[str, Any], runner: LandscapeRunner, tuner_type: str, seed: int, workers: int = 1) -> Optional[Dict[str, Any]]:
-    """The adapter to the product: run its search with its defaults on the landscape, with `workers`
-    tuners on one study in simulated time (parallel.py); the declared optimum's params."""
+def run_product(land: Dict[str, Any], runner: LandscapeRunner, tuner_type: str, seed: int, workers: int = 1,
+                explore: Optional[float] = None) -> Optional[Dict[str, Any]]:
+    """The adapter to the product: run its search with its defaults (`explore`: search.explore instead
+    of conf's) on the landscape, with `workers` tuners on one study in simulated time (parallel.py);
+    the declared optimum's params."""
     import optuna
     import yaml
 
@@ -53,7 +55,7 @@ def run_product(land: Dict[str, Any], runner: LandscapeRunner, tuner_type: str, 
     from mlautotune.search import SearchSettings, Tuner
     from mlautotune.space import MicroBatchRule, TuningPlan
 
-    p, at, search = land["plan"], AutotuningConf(), SearchConf()
+    p, at, search = land["plan"], AutotuningConf(), SearchConf(**({} if explore is None else {"explore": explore}))
     plan = TuningPlan(stages=list(p["stages"]), knobs={int(s): v for s, v in p["knobs"].items()},
                       micro_batch=MicroBatchRule(p["micro_batch"]["mode"], tuple(p["micro_batch"]["values"])), gas=p["gas"],
                       max_train_batch_size=p.get("max_train_batch_size"), mp_size=1, fast=p["fast"], base_config=p.get("base_config", {}),
@@ -61,7 +63,7 @@ def run_product(land: Dict[str, Any], runner: LandscapeRunner, tuner_type: str, 
     target = yaml.safe_load((HERE.parent / "conf" / "tuner" / f"{tuner_type}.yaml").read_text())
     target = {k: (seed if v == "${search.seed}" else v) for k, v in target.items()}
     settings = SearchSettings(metric=land.get("metric", at.metric), tuner_type=tuner_type, seed=seed, early_stopping=at.tuner_early_stopping,
-                              num_trials=at.tuner_num_trials, num_tuning_micro_batch_sizes=at.num_tuning_micro_batch_sizes, remeasure=search.remeasure,
+                              num_trials=at.tuner_num_trials, num_tuning_micro_batch_sizes=at.num_tuning_micro_batch_sizes, remeasure=search.remeasure, explore=search.explore,
                               memory_limit_bytes=land["memory_limit_bytes"], world_size=land["world_size"], device=land["device"], sampler_target=target)
 
     def make_experiment(params):
@@ -81,12 +83,12 @@ def run_product(land: Dict[str, Any], runner: LandscapeRunner, tuner_type: str, 
     return dict(best.params) if best else None
 
 
-def replay(land: Dict[str, Any], strategy: str, seed: int, workers: int = 1):
+def replay(land: Dict[str, Any], strategy: str, seed: int, workers: int = 1, explore: Optional[float] = None):
     """One search on one landscape: (runner with its log, declared optimum's params or None)."""
     runner = LandscapeRunner(land, seed=seed)
     if strategy == "deepspeed_baseline":  # sequential: each step needs the result of the one before
         return runner, ds_baseline.run(runner.measure, land, seed=seed)
-    return runner, run_product(land, runner, strategy, seed, workers)
+    return runner, run_product(land, runner, strategy, seed, workers, explore)
 
 
 def score(runs: List[Dict[str, Any]], grid_best: float) -> List[Dict[str, Any]]:
@@ -125,6 +127,7 @@ def main():
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--json", metavar="OUT", help="write one record per landscape x strategy x seed")
     ap.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset of " + ", ".join(STRATEGIES))
+    ap.add_argument("--explore", type=float, help="the product's search.explore (default: conf's); the baseline ignores it")
     ap.add_argument("--workers", default="1", help="comma-separated worker counts, e.g. 1,2,4 (simulated wall-clock time; "
                     "the deepspeed baseline is sequential and runs with 1 only)")
     args = ap.parse_args()
@@ -136,7 +139,7 @@ def main():
         for strategy in args.strategies.split(","):
             for workers in ([1] if strategy == "deepspeed_baseline" else counts):
                 for seed in range(args.seeds):
-                    runner, found = replay(land, strategy, seed, workers)
+                    runner, found = replay(land, strategy, seed, workers, args.explore)
                     runs.append({"landscape": land["name"], "strategy": strategy, "seed": seed, "workers": workers, "log": runner.log,
                                  "found": runner.true_value(found)})
         records += score(runs, grid_best(land))

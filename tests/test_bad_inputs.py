@@ -88,6 +88,7 @@ CASES = [
     ("micro-batch list outside the bounds", {"train_micro_batch_size_per_gpu": [64, 128], "autotuning": {"enabled": True, "max_train_micro_batch_size_per_gpu": 32}}, [], "None of the micro-batch sizes [64, 128]"),
     ("min_train_batch_size beyond the largest micro-batch", {"autotuning": {"enabled": True, "min_train_batch_size": 4096, "max_train_micro_batch_size_per_gpu": 64}}, ["launcher.num_gpus=2"], "No micro-batch size fits"),
     ("search.remeasure=-1", {"autotuning": OK_AT}, ["search.remeasure=-1"], "must be 0 or more"),
+    ("search.explore=2", {"autotuning": OK_AT}, ["search.explore=2"], "search.explore=2 is outside -1..1"),
     ("search.heartbeat_seconds=0", {"autotuning": OK_AT}, ["search.heartbeat_seconds=0"], "heartbeat_seconds=0 must be at least 1"),
     ("worker with an empty search.storage", {"autotuning": OK_AT}, ["@FIRST@worker", "search.storage="], "search.storage= is given but empty"),
     ("worker with mode=run", {"autotuning": OK_AT}, ["@FIRST@worker", "mode=run"], "a worker only tunes"),

@@ -418,6 +418,28 @@ def test_global_stop_on_a_flat_landscape():
     assert len(land.calls) - first_best <= 6
 
 
+def test_a_lower_explore_also_measures_candidates_within_the_noise_of_the_best():
+    """search.explore is the stop rule's margin: at 0.5 a candidate must be predicted to beat the best
+    by half an interval; at -0.5 one predicted to come within half an interval of it is measured too."""
+    strict, thorough = Flat(spread=0.02), Flat(spread=0.02)
+    tuner(make_plan(), strict, tuner_type="model_based", remeasure=0)[0].tune()
+    tuner(make_plan(), thorough, tuner_type="model_based", remeasure=0, explore=-0.5)[0].tune()
+    z0 = lambda land: {c["micro_batch"] for c in land.calls if c["stage"] == 0}  # noqa: E731
+    assert z0(strict) < z0(thorough)  # the default leaves sizes between its measured ones that can only tie
+    assert len(thorough.calls) >= len(strict.calls) + 3
+
+
+def test_a_finished_session_run_again_with_a_lower_explore_goes_on_from_where_it_stopped(tmp_path):
+    """search.explore is not part of the session's identity: the same command with a lower margin
+    reuses every measurement and measures only what the stricter rule left."""
+    storage, land = f"sqlite:///{tmp_path / 'o.db'}", Flat(spread=0.02)
+    tuner(make_plan(), land, storage, tuner_type="model_based", remeasure=0)[0].tune()
+    done = [tuple(sorted(c.items())) for c in land.calls]
+    again = tuner(make_plan(), land, storage, tuner_type="model_based", remeasure=0, explore=-0.5)[0].tune()
+    new = [tuple(sorted(c.items())) for c in land.calls[len(done):]]
+    assert new and set(new).isdisjoint(done) and again.experiments == len(new)
+
+
 def test_interval_rel_decides_near_ties_and_a_disturbed_leader_is_remeasured():
     class Probed(Landscape):
         def __call__(self, exp):

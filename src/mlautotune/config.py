@@ -83,6 +83,7 @@ class SearchConf:
     session: Optional[str] = None  # session name; None -> derived from script, args, ds_config and settings
     sampler: Dict[str, Any] = field(default_factory=dict)  # any Optuna sampler by Hydra _target_ (empty: tuner_type's); overrides tuner_type
     remeasure: int = 1  # extra measurements of near-tied leaders before the optimum is declared
+    explore: float = 0.5  # the stop rule: a candidate is measured only if its optimistic value beats the best by more than this part of one measurement's interval (lower: more thorough, more experiments)
     heartbeat_seconds: int = 30  # workers: a running trial's heartbeat; after 4 missed beats another worker runs it again
 
 
@@ -310,6 +311,10 @@ def validate(cfg: DictConfig) -> None:
         raise UserError(f"search.heartbeat_seconds={cfg.search.heartbeat_seconds} must be at least 1.", "Give the seconds between a worker's heartbeats (default 30; a trial is run again after 4 missed beats).")
     if cfg.search.remeasure < 0:
         raise UserError(f"search.remeasure={cfg.search.remeasure} must be 0 or more.", "Give the number of extra measurements of near-tied leaders (default 1).")
+    if not -1 <= cfg.search.explore <= 1:
+        raise UserError(f"search.explore={cfg.search.explore:g} is outside -1..1.",
+                        "Give the part of one measurement's interval a candidate must be predicted to beat the best by: 0.5 (the default) "
+                        "stops soonest, 0 or -0.5 measure candidates within the noise of the best too (more thorough, more experiments).")
     m = cfg.measure
     if m.target_interval <= 0 or m.budget_s < 0 or m.max_warmup_steps < 0 or m.check_every < 1 or not 0 < m.confidence < 1:
         raise UserError(f"The measure settings are out of range: {dict(m)}.", "Use measure.target_interval > 0, budget_s >= 0, max_warmup_steps >= 0, check_every >= 1 and 0 < confidence < 1 (defaults 0.02, 4.5, 10, 2, 0.95).")

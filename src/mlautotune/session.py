@@ -80,6 +80,7 @@ class Session:
             num_trials=self.at.tuner_num_trials,
             num_tuning_micro_batch_sizes=self.at.num_tuning_micro_batch_sizes,
             remeasure=self.cfg.search.remeasure,
+            explore=self.cfg.search.explore,
             memory_limit_bytes=self.memory_limit_bytes,
             world_size=self.world_size,
             device=self.device,

@@ -13,6 +13,7 @@ class SearchSettings:
     num_trials: int = 50
     num_tuning_micro_batch_sizes: int = 3
     remeasure: int = 1
+    explore: float = 0.5  # conf: search.explore (the stop rule's margin over the best, in measurement intervals)
     memory_limit_bytes: Optional[int] = None
     world_size: int = 1
     device: str = "cpu"

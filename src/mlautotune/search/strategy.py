@@ -13,8 +13,10 @@ asks its steps in order, each in its own module:
 
 What the steps share lives here: the score (higher is better whatever the metric), the incumbent,
 the interval of one measurement, near-ties, and the one global stop rule that gates every step: a
-candidate is measured only if its optimistic value beats the incumbent by more than EXPLORE (half)
-of a measurement's interval, about one standard error. Nothing left -> the search ends.
+candidate is measured only if its optimistic value beats the incumbent by more than `search.explore`
+(by default half) of a measurement's interval, about one standard error. Nothing left -> the search
+ends. A lower `explore` also measures candidates that may only tie the incumbent: the incumbent is
+the luckiest of its near-ties, so its value is biased high and the strict rule stops short of them.
 """
 
 import statistics
@@ -35,7 +37,6 @@ __all__ = ["Step", "Strategy"]
 
 MIN_MARGIN = 0.005
 MAX_INTERVAL = 0.10  # a wider interval (a spread with outliers) counts as this: leaders further apart are not near-ties
-EXPLORE = 0.5  # measure a candidate predicted to beat the incumbent by more than this part of a measurement's interval (about one standard error)
 
 
 class Strategy:
@@ -102,7 +103,7 @@ class Strategy:
         if step is not None:
             return step
         best = self.best(runs)
-        target = self.score(best.final_value) * (1 + EXPLORE * self.margin(runs)) if best else 0.0
+        target = self.score(best.final_value) * (1 + self.s.explore * self.margin(runs)) if best else 0.0
         stages = self.spread([s for s in self.plan.stages if self.profiling.feasible(s)])
         for stage in stages:
             step = self.lines.step(stage, runs, taken, target)
