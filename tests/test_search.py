@@ -366,6 +366,24 @@ def test_peak_before_the_edge_and_the_best_knobs_are_combined():
     assert 11 <= out.best.params["micro_batch"] <= 13
 
 
+class BehindWithKnob(Landscape):
+    """Stage 1 is 4% behind stage 0 with its default knobs (beyond the noise), and its small reduce
+    bucket is worth 10%: stage 1 with it is the best."""
+
+    def throughput(self, params):
+        t = 100 * (1.0 - 0.04 * params["stage"])
+        return t * (1.10 if params["stage"] == 1 and params.get("reduce_bucket_size") == 50000000 else 1.0)
+
+
+def test_a_stage_behind_the_lead_gets_one_look_at_its_knobs():
+    """The cost model had not seen stage 1's knobs varied (stage 0 has none), so it predicted stage
+    1's knob combinations at stage 1's default value, 4% behind: no knob of stage 1 was ever tried."""
+    land = BehindWithKnob()
+    plan = make_plan(stages=[0, 1], mbs=MicroBatchRule("fixed", (8,)), knobs={0: {}, 1: {"reduce_bucket_size": [500000000, 50000000]}}, fast=False)
+    out = tuner(plan, land, tuner_type="model_based")[0].tune()
+    assert out.best.params["stage"] == 1 and out.best.params["reduce_bucket_size"] == 50000000
+
+
 BIG = 400_000_000
 
 

@@ -1,8 +1,10 @@
 """Steps 3 and 4, the ZeRO knobs of a stage, then the best knobs' own micro-batch.
 
 3. At the stage's best micro-batch, the tuner chooses among the untried knob combinations
-   (model_based: the XGBoost cost model with feasibility), while their optimistic value (a prior
-   for knob values not seen yet, then the cost model's prediction) can beat the incumbent.
+   (model_based: the XGBoost cost model with feasibility), while their optimistic value can beat
+   the incumbent: in the stage tied for the lead, a prior for knob values not seen yet; in a stage
+   behind it, one look if its best is within KNOB_LOOK of the incumbent; then the cost model's
+   prediction.
 4. Joint refinement: the stage's best knobs, and any knobs tied with them within the noise, get
    their own micro-batch search (their own memory edge too), with the default knobs' line as the prior.
 """
@@ -17,6 +19,7 @@ from mlautotune.search.step import Step
 
 KNOB_PRIOR = 0.25  # what knobs the cost model has not yet seen varied might be worth
 KNOB_STARTUP = 4  # knob experiments on that prior in a stage tied for the lead; then the cost model decides
+KNOB_LOOK = 0.10  # a stage behind the lead gets one knob experiment while its best is within this much of the incumbent
 MODEL_SLACK = 0.02  # the cost model's prediction, made optimistic by this much
 
 
@@ -43,13 +46,22 @@ class Knobs:
             st.note(f"z{stage}: early stop of the knob search after {st.s.early_stopping} experiments without improvement")
             return None
         leading = st.score(best.final_value) * (1 + margin) >= target
-        promise = self._promise(untried, runs, best, len(knob_runs) if leading else KNOB_STARTUP)
+        if not leading and not knob_runs and not self._knobs_pending(stage, base):
+            # one look, as every stage gets one look along the micro-batch: the cost model has not
+            # seen this stage's knobs varied, and what other stages' knobs did says little about them
+            promise = st.score(best.final_value) * (1 + KNOB_LOOK)
+        else:
+            promise = self._promise(untried, runs, best, len(knob_runs) if leading else KNOB_STARTUP)
         if promise <= target:
             st.note(f"z{stage}: no untried knob combination is predicted to beat the incumbent by more than the noise")
             return None
         history = [(m.params, m.final_value, m.result.status) for m in runs if m.result.status in ("ok", "oom")]
         choice = st.chooser.choose(untried, history, st.s.maximize, ledger.experiments)
         return Step(choice, f"z{stage}: knobs at micro-batch {at} ({st.chooser.last_choice})")
+
+    def _knobs_pending(self, stage: int, base: Dict[str, Any]) -> bool:
+        """Another worker is measuring a knob combination of the stage."""
+        return any(p["stage"] == stage and knobs_of_params(p) != base for p in self.st.pending_params)
 
     def _since_improvement(self, stage_runs: List[Measured], base: Dict[str, Any], margin: float) -> int:
         """Knob experiments of the stage since its best last rose by more than the noise."""
