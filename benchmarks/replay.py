@@ -55,7 +55,7 @@ def run_product(land: Dict[str, Any], runner: LandscapeRunner, tuner_type: str, 
     from mlautotune.search import SearchSettings, Tuner
     from mlautotune.space import MicroBatchRule, TuningPlan
 
-    p, at, search = land["plan"], AutotuningConf(), SearchConf(**({} if explore is None else {"explore": explore}))
+    p, at, search = land["plan"], AutotuningConf(), SearchConf()
     plan = TuningPlan(stages=list(p["stages"]), knobs={int(s): v for s, v in p["knobs"].items()},
                       micro_batch=MicroBatchRule(p["micro_batch"]["mode"], tuple(p["micro_batch"]["values"])), gas=p["gas"],
                       max_train_batch_size=p.get("max_train_batch_size"), mp_size=1, fast=p["fast"], base_config=p.get("base_config", {}),
@@ -63,7 +63,8 @@ def run_product(land: Dict[str, Any], runner: LandscapeRunner, tuner_type: str, 
     target = yaml.safe_load((HERE.parent / "conf" / "tuner" / f"{tuner_type}.yaml").read_text())
     target = {k: (seed if v == "${search.seed}" else v) for k, v in target.items()}
     settings = SearchSettings(metric=land.get("metric", at.metric), tuner_type=tuner_type, seed=seed, early_stopping=at.tuner_early_stopping,
-                              num_trials=at.tuner_num_trials, num_tuning_micro_batch_sizes=at.num_tuning_micro_batch_sizes, remeasure=search.remeasure, explore=search.explore,
+                              num_trials=at.tuner_num_trials, num_tuning_micro_batch_sizes=at.num_tuning_micro_batch_sizes, remeasure=search.remeasure,
+                              explore=search.explore if explore is None else explore,
                               memory_limit_bytes=land["memory_limit_bytes"], world_size=land["world_size"], device=land["device"], sampler_target=target)
 
     def make_experiment(params):

@@ -46,12 +46,8 @@ class Knobs:
             st.note(f"z{stage}: early stop of the knob search after {st.s.early_stopping} experiments without improvement")
             return None
         leading = st.score(best.final_value) * (1 + margin) >= target
-        if not leading and not knob_runs and not self._knobs_pending(stage, base):
-            # one look, as every stage gets one look along the micro-batch: the cost model has not
-            # seen this stage's knobs varied, and what other stages' knobs did says little about them
-            promise = st.score(best.final_value) * (1 + KNOB_LOOK)
-        else:
-            promise = self._promise(untried, runs, best, len(knob_runs) if leading else KNOB_STARTUP)
+        first = not knob_runs and not self._knobs_pending(stage, base)
+        promise = self._promise(untried, runs, best, len(knob_runs), leading, first)
         if promise <= target:
             st.note(f"z{stage}: no untried knob combination is predicted to beat the incumbent by more than the noise")
             return None
@@ -74,15 +70,20 @@ class Knobs:
                 since += 1
         return since
 
-    def _promise(self, untried: List[Dict[str, Any]], runs: List[Measured], best: Measured, knob_runs: int) -> float:
-        """Optimistic value of the stage's untried knob combinations: for its first KNOB_STARTUP
-        knob experiments, a prior while some knob value has not been seen in any run; then the
-        cost model's best prediction."""
+    def _promise(self, untried: List[Dict[str, Any]], runs: List[Measured], best: Measured, knob_runs: int, leading: bool, first: bool) -> float:
+        """Optimistic value of the stage's untried knob combinations. Until the stage's first knob
+        experiment the cost model has seen only other stages' knobs varied, which says little about
+        this stage's: so a stage behind the lead gets one look (`first`: KNOB_LOOK above its best, as
+        every stage gets one look along the micro-batch), and the stage tied for the lead, for its
+        first KNOB_STARTUP knob experiments, a prior while some knob value has not been seen in any
+        run; then the cost model's best prediction."""
         st = self.st
+        if first and not leading:
+            return st.score(best.final_value) * (1 + KNOB_LOOK)
         ok = [m for m in runs if m.value is not None]
         seen = {(k, repr(v)) for m in ok for k, v in knobs_of_params(m.params).items()}
         unseen = any((k, repr(v)) not in seen for p in untried for k, v in knobs_of_params(p).items())
-        if unseen and knob_runs < KNOB_STARTUP:
+        if leading and unseen and knob_runs < KNOB_STARTUP:
             return st.score(best.final_value) * (1 + KNOB_PRIOR)
         model = CostModel(seed=st.s.seed).fit([m.params for m in ok], [st.score(m.final_value) for m in ok])
         return float(max(model.predict(untried))) * (1 + MODEL_SLACK)  # the target has the noise margin already
