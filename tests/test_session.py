@@ -158,7 +158,8 @@ def test_interrupt_then_kill_then_resume(tmp_path, leftovers):
     assert code == 0, out
     names = [l.split()[1] for l in lines()]
     finished = [r.data.tags["experiment"] for r in runs(tmp_path, "experiment") if r.data.tags.get("status") != "running"]
-    assert sorted(set(names)) == sorted(names_set := set(finished)) == sorted({f"z0_gas1_tmbspg{m}" for m in (1, 2, 4, 6)})
+    why = f"launches {names}; runs {[(r.data.tags.get('experiment'), r.data.tags.get('status'), r.info.status) for r in runs(tmp_path, 'experiment')]}; output:\n{out}"
+    assert sorted(set(names)) == sorted(names_set := set(finished)) == sorted({f"z0_gas1_tmbspg{m}" for m in (1, 2, 4, 6)}), why
     assert len(finished) == len(names_set)  # each experiment once under the parent
     # A launch is repeated only when it was cut short: at most the two interrupted ones.
     assert len(names) - len(set(names)) <= 2

@@ -192,6 +192,42 @@ def test_sync_completes_an_unfinished_child(tmp_path):
     assert run.data.tags["status"] == "ok" and run.data.params["micro_batch_size"] == "2"
 
 
+def test_fill_in_finishes_the_runs_of_results_the_study_has_and_mlflow_missed(tmp_path):
+    """A session killed between recording a result in the study and finishing its child run; a
+    result tracked during an outage; a run finished already; a trial cut off. The study is the record."""
+    st = study(tmp_path, "sess")
+    t = Tracker(store(tmp_path), "mlautotune", say=lambda s: None)
+    t.open_parent(st, "sess", {}, {}, [])
+
+    def trial(mb, status, metrics):
+        tr = st.ask()
+        tr.set_user_attr("params", {"stage": 0, "micro_batch": mb, "gas": 1})
+        tr.set_user_attr("result", {"name": f"z0_gas1_tmbspg{mb}", "status": status, "metrics": metrics, "reason": "", "wall_time_s": 2.0, "exp_dir": None})
+        st.tell(tr, metrics.get("throughput"), state=optuna.trial.TrialState.COMPLETE if metrics else optuna.trial.TrialState.FAIL)
+        return tr.number
+
+    killed = trial(2, "ok", {"throughput": 7.0})
+    t.child_started(killed, "z0_gas1_tmbspg2", {"stage": 0}, {"status": "running"})  # its finish never came
+    missed = trial(4, "oom", {})  # no run at all
+    done = trial(8, "ok", {"throughput": 9.0})
+    t.child_started(done, "z0_gas1_tmbspg8", {"stage": 0}, {"status": "running"})
+    t.child_finished(done, "z0_gas1_tmbspg8", {}, {"throughput": 9.0}, {"status": "ok"}, None, "FINISHED")
+    cut = st.ask()
+    t.child_started(cut.number, "z0_gas1_tmbspg16", {"stage": 0}, {"status": "running"})
+    t.kill_open_children()  # Ctrl-C: the cut-off trial's run and the unfinished one are KILLED
+    st.tell(cut, state=optuna.trial.TrialState.FAIL)
+
+    assert t.fill_in(st) == 2
+    c = MlflowClient(store(tmp_path))
+    runs = {r.data.tags["experiment"]: r for r in c.search_runs([t.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{t.parent_id}'")}
+    assert runs["z0_gas1_tmbspg2"].info.status == "FINISHED" and runs["z0_gas1_tmbspg2"].data.metrics["throughput"] == 7.0
+    assert runs["z0_gas1_tmbspg2"].data.tags["status"] == "ok"
+    assert runs["z0_gas1_tmbspg4"].info.status == "FAILED" and runs["z0_gas1_tmbspg4"].data.tags["status"] == "oom"
+    assert runs["z0_gas1_tmbspg16"].info.status == "KILLED"  # no result: it is run again, not filled in
+    assert len(c.get_metric_history(runs["z0_gas1_tmbspg8"].info.run_id, "throughput")) == 1  # not logged twice
+    assert t.fill_in(st) == 0
+
+
 def test_child_payload_plain_names_numbers_and_ok():
     params, metrics, tags = child_payload({"stage": 1, "micro_batch": 4, "gas": 1, "overlap_comm": True, "reduce_bucket_size": 5e8},
                                           {"name": "n", "status": "oom", "metrics": {"peak_memory_bytes": 3e9}, "reason": "over"}, 2**31)

@@ -73,6 +73,7 @@ def _tune(session: Session) -> None:
     if where:
         console.say(where)
     tracker.drop_children(tuner.interrupted)
+    tracker.fill_in(study, session.memory_limit_bytes)  # the last session may have died before tracking its last result
     tuner.observers = [console, TrackingObserver(tracker, session.at.metric, session.memory_limit_bytes)]
 
     started = time.monotonic() - float(study.user_attrs.get("wall_time_s", 0.0))
@@ -146,7 +147,9 @@ def multirun_group() -> Optional[str]:
 
 
 def finish(session: Session, study, tracker: Tracker, outcome: Outcome, status: str, wall: float) -> Dict[str, Any]:
-    """Write the reports; return the arguments that close the parent run."""
+    """Write the reports and bring the child runs in line with the study; return the arguments
+    that close the parent run."""
+    tracker.fill_in(study, session.memory_limit_bytes)
     best = outcome.best
     ds_optimal = session.make_experiment(best.params).ds_config if best else None
     cmd = optimal_cmd(session, best.params, ds_optimal) if best else None
@@ -302,15 +305,7 @@ def sync_command(cfg: DictConfig) -> None:
     tracker.open_parent(study, record["session"], {"session": record["session"], "results_dir": str(results_dir)}, {}, [config_yaml] if config_yaml.exists() else [])
     if not tracker.online:
         raise SessionFailed(f"MLflow at {redact_text(tracker.tracking_uri)} cannot be reached; nothing was synced.")
-    added = 0
-    limit = record.get("memory_limit_bytes")
-    for t in study.get_trials(deepcopy=False):
-        result = t.user_attrs.get("result")
-        if result is None or "duplicate_of" in t.user_attrs or tracker.child_state(t.number) not in (None, "RUNNING"):
-            continue
-        params, metrics, tags = child_payload(t.user_attrs.get("params") or {}, result, limit)
-        tracker.child_finished(t.number, result["name"], params, metrics, tags, result["exp_dir"], mlflow_status(result["status"]))
-        added += 1
+    added = tracker.fill_in(study, record.get("memory_limit_bytes"))
     summary = results_dir / "summary.txt"
     tracker.close_parent(record.get("metrics", {}), record.get("tags", {}), report_artifacts(results_dir), parent_status(record.get("status")),
                          step=len(study.trials), params=record.get("params", {}), note=summary.read_text() if summary.exists() else "")

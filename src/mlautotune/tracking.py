@@ -294,6 +294,25 @@ class Tracker:
             self._upload(run_id, Path(exp_dir), "experiment")
         self.client.set_terminated(run_id, status=status)
 
+    def fill_in(self, study, memory_limit_bytes: Optional[int] = None) -> int:
+        """Finish, from the study, the child runs of measured trials that MLflow lacks or shows
+        otherwise (an outage, or a session killed between recording a result and tracking it):
+        the study is the record, the runs follow it. The number of runs filled in."""
+        if self.parent_id is None:
+            return 0
+        filled = 0
+        for t in study.get_trials(deepcopy=False):
+            result = t.user_attrs.get("result")
+            if result is None or "duplicate_of" in t.user_attrs:
+                continue
+            status = mlflow_status(result["status"])
+            if self.child_state(t.number) == status:
+                continue
+            params, metrics, tags = child_payload(t.user_attrs.get("params") or {}, result, memory_limit_bytes)
+            self.child_finished(t.number, result["name"], params, metrics, tags, result.get("exp_dir"), status)
+            filled += 1
+        return filled
+
     def kill_open_children(self) -> None:
         for run_id in self._children.values():
             self._call("ending a run", self._kill_if_running, run_id)
