@@ -229,10 +229,13 @@ class Tracker:
         return f"mlautotune: tracked in MLflow experiment {exp.name!r}, parent run {self.parent_id} at {uri}\nmlautotune: in the MLflow UI: {view}"
 
     def _existing_children(self) -> Dict[int, str]:
+        return {n: run.info.run_id for n, run in self._child_runs().items()}
+
+    def _child_runs(self) -> Dict[int, Any]:
         runs = self.client.search_runs(
             [self.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{self.parent_id}'", max_results=5000
         )
-        return {int(r.data.tags[TRIAL_TAG]): r.info.run_id for r in runs if TRIAL_TAG in r.data.tags}
+        return {int(r.data.tags[TRIAL_TAG]): r for r in runs if TRIAL_TAG in r.data.tags}
 
     def drop_children(self, trial_numbers: Iterable[int]) -> None:
         """Delete the child runs of trials that were interrupted and will be run again."""
@@ -300,13 +303,16 @@ class Tracker:
         the study is the record, the runs follow it. The number of runs filled in."""
         if self.parent_id is None:
             return 0
+        runs = self._call("reading the child runs", self._child_runs)
+        if runs is None:
+            return 0
         filled = 0
         for t in study.get_trials(deepcopy=False):
             result = t.user_attrs.get("result")
             if result is None or "duplicate_of" in t.user_attrs:
                 continue
             status = mlflow_status(result["status"])
-            if self.child_state(t.number) == status:
+            if t.number in runs and runs[t.number].info.status == status:
                 continue
             params, metrics, tags = child_payload(t.user_attrs.get("params") or {}, result, memory_limit_bytes)
             self.child_finished(t.number, result["name"], params, metrics, tags, result.get("exp_dir"), status)
@@ -320,14 +326,6 @@ class Tracker:
     def _kill_if_running(self, run_id: str) -> None:
         if self.client.get_run(run_id).info.status == "RUNNING":
             self.client.set_terminated(run_id, status="KILLED")
-
-    def child_state(self, trial_number: int) -> Optional[str]:
-        """The MLflow status of a trial's child run (RUNNING, FINISHED, ...), None if it has none."""
-        run_id = self._children.get(trial_number)
-        if run_id is None:
-            return None
-        run = self._call("reading a run", self.client.get_run, run_id)
-        return run.info.status if run else None
 
     def child_env(self, trial_number: int) -> Dict[str, str]:
         """The environment that sends the experiment's own MLflow logging into its child run."""
