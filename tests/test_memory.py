@@ -53,8 +53,8 @@ def test_two_points_fit_the_activation_line_and_predict_the_largest_micro_batch(
 
 
 def test_memory_that_grows_faster_at_larger_micro_batches_puts_the_edge_under_it():
-    """A CPU rank's RSS grows faster than linearly. Recorded (benchmarks/landscapes/cpu_gpt-4M_fast.json,
-    z0, 1 rank, limit 1.2 GiB): it fits at 24 and grows 23 MB per sample from 16 to 24, so it runs out
+    """A CPU rank's RSS grows faster than linearly. Recorded (benchmarks/landscapes/cpu_gpt-4M_fast.json
+    as session 24 recorded it, in git history; z0, 1 rank, limit 1.2 GiB): it fits at 24 and grows 23 MB per sample from 16 to 24, so it runs out
     of memory from 30 on (32 recorded). The line through 1, 4, 8 and 16 says 31 fits; the steepest
     growth seen, 4 -> 8, carried on beyond 8, does not."""
     peaks = {1: 675713024, 4: 728145920, 8: 820371456, 16: 975826944, 24: 1160052736}
