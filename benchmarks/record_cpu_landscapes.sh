@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Records the three CPU landscapes of the bundled workload (2 CPU ranks), each point measured 5 times (cpu_gpt-0.9M_full: 3)
+# Records the three CPU landscapes of the bundled workload (2 CPU ranks), each point measured 5 times
 # (the replay scores against the median and hands out the recorded measurements as its noise).
 # Rerunning resumes: points and repeats already in a landscape file are not run again.
 set -euo pipefail
@@ -10,7 +10,7 @@ python benchmarks/record.py $L/cpu_gpt-0.9M_fast.json --micro-batches 1,2,4,6,8,
   -- config=$C/cpu_gpt-0.9M_fast.json launcher.num_gpus=2
 python benchmarks/record.py $L/cpu_gpt-4M_fast.json --micro-batches 1,2,4,8,12,16,24,32 --repeats 5 \
   -- config=$C/cpu_gpt-4M_fast.json launcher.num_gpus=2 'script_args=--num_layers 4 --hidden_size 256 --seq_len 128'
-python benchmarks/record.py $L/cpu_gpt-0.9M_full.json --micro-batches 1,4,8,16,24,32 --repeats 3 \
+python benchmarks/record.py $L/cpu_gpt-0.9M_full.json --micro-batches 1,4,8,16,24,32 --repeats 5 \
   -- config=$C/cpu_gpt-0.9M_full.json launcher.num_gpus=2 \
   '~space.zero1.allgather_bucket_size' 'space.zero1.reduce_bucket_size=[50000000,500000000]' \
   '~space.zero2.allgather_bucket_size' '~space.zero2.reduce_scatter' '~space.zero2.contiguous_gradients' \
