@@ -366,6 +366,34 @@ def test_peak_before_the_edge_and_the_best_knobs_are_combined():
     assert 11 <= out.best.params["micro_batch"] <= 13
 
 
+class Sawtooth(Landscape):
+    """max_train_batch_size 64 on 2 ranks: each experiment accumulates 32 // micro-batch steps, so
+    throughput is a sawtooth along the micro-batch (a fixed cost per micro-step, and the optimizer
+    step paid once per accumulated batch): highest at each accumulation's largest size."""
+
+    def throughput(self, params):
+        mbs, gas = params["micro_batch"], params["gas"]
+        return mbs * gas * 2 / (gas * (0.05 + 0.01 * mbs) + 0.5) * (1.0 - 0.05 * params["stage"])
+
+
+def test_with_max_train_batch_size_only_each_accumulations_largest_micro_batch_is_measured():
+    """A size below the largest at its gradient accumulation (7 at gas 4, where 8 also runs 4 steps)
+    carries fewer samples per step at the same cost: the search measured such sizes on the sawtooth
+    (a line's top excepted, where memory ends it)."""
+    land = Sawtooth(per_sample=180 * 2**20)  # edges at 15 (z0), 17 and 18: between the sizes that fill the batch
+    plan = make_plan(max_tbs=64)
+    out = tuner(plan, land, tuner_type="model_based")[0].tune()
+    ok = [m.params for m in out.measured if m.ok]
+    assert ok and all(p["gas"] == 32 // p["micro_batch"] for p in ok)
+    fills = {m for m in range(1, 33) if plan.fills_batch(m)}
+    assert fills == {1, 2, 3, 4, 5, 6, 8, 10, 16, 32}
+    for stage in {p["stage"] for p in ok}:
+        sizes = [p["micro_batch"] for p in ok if p["stage"] == stage]
+        assert all(m in fills or m == max(sizes) for m in sizes), (stage, sorted(sizes))
+    fit = [dict(stage=s, micro_batch=m, gas=32 // m) for s in range(4) for m in range(1, 33) if land.peak(s, m) <= LIMIT]
+    assert land.throughput(out.best.params) >= 0.99 * max(map(land.throughput, fit))
+
+
 class BehindWithKnob(Landscape):
     """Stage 1 is 4% behind stage 0 with its default knobs (beyond the noise), and its small reduce
     bucket is worth 10%: stage 1 with it is the best."""

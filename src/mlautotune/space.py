@@ -46,6 +46,12 @@ class TuningPlan:
             return max(1, self.max_train_batch_size // (int(mbs) * self.data_parallel))
         return self.gas
 
+    def fills_batch(self, mbs: int) -> bool:
+        """With max_train_batch_size, whether mbs is the largest micro-batch at its gradient accumulation
+        (64, 32, 21, 16, ... on one rank for 64). A smaller one at the same accumulation runs as many
+        steps on fewer samples, so the search need not measure it. Without it, every size."""
+        return not self.max_train_batch_size or mbs == self.micro_batch_cap or self.gas_for(mbs + 1) < self.gas_for(mbs)
+
     @property
     def micro_batch_cap(self) -> int:
         """The largest micro-batch allowed: max_train_micro_batch_size_per_gpu, and with max_train_batch_size
@@ -123,7 +129,8 @@ def build_plan(ds_config: Dict[str, Any], at: Any, space: Any, script_args: List
         )
     if at.max_train_batch_size is not None:
         notices.append(f"gradient accumulation is tuned with the micro-batch: each experiment accumulates max_train_batch_size // (micro-batch x {dp} data-parallel ranks) steps, as DeepSpeed's autotuner does"
-                       + (f" (gradient_accumulation_steps {gas} is not used while tuning)." if gas != 1 else "."))
+                       + (f" (gradient_accumulation_steps {gas} is not used while tuning)" if gas != 1 else "")
+                       + "; only each accumulation's largest micro-batch is measured (and the largest that fits).")
     base = {k: v for k, v in ds_config.items() if k not in TUNED_TOP_LEVEL}
     base["zero_optimization"] = fixed_zero
     return TuningPlan(stages, knobs, micro_batch, gas, at.max_train_batch_size, mp, bool(at.fast), base, notices, mappings, hf_trainer, dp)

@@ -36,8 +36,11 @@ class Lines:
         rule = st.plan.micro_batch
         if rule.mode == "fixed":
             return list(rule.values)
-        allowed = [m for m in rule.values if st.memory is None or st.memory.fits(stage, m)] if rule.mode == "list" else None
-        return sizes_between(st.low, min(high, st.cap or high), allowed)
+        if rule.mode == "list":
+            return sizes_between(st.low, min(high, st.cap or high), [m for m in rule.values if st.memory is None or st.memory.fits(stage, m)])
+        sizes = sizes_between(st.low, min(high, st.cap or high))
+        # gradient accumulation fills max_train_batch_size: each accumulation's largest size, and the line's top
+        return [m for m in sizes if st.plan.fills_batch(m) or m == max(sizes)]
 
     def reference(self, runs: List[Measured], stage: int) -> Tuple[List[Point], Optional[int]]:
         """The best line of the nearest lower stage that ran, completed where it has no points of
