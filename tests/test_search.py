@@ -412,6 +412,29 @@ def test_a_stage_behind_the_lead_gets_one_look_at_its_knobs():
     assert out.best.params["stage"] == 1 and out.best.params["reduce_bucket_size"] == 50000000
 
 
+class TiedStagesKnobInTheRicher(Landscape):
+    """Stages 1 and 2 within 0.5% of each other (stage 1 ahead, inside one measurement's noise);
+    stage 2 has five knobs and overlap_comm is worth 10% there, stage 1 has two bucket sizes worth
+    nothing."""
+
+    def throughput(self, params):
+        t = 100 * (1.0 - 0.005 * (params["stage"] - 1))
+        return t * (1.10 if params["stage"] == 2 and params.get("overlap_comm") else 1.0)
+
+
+def test_of_stages_tied_for_the_lead_the_one_with_more_knob_combinations_is_searched_first():
+    """The knob search went to the stage whose one measurement came out highest, stage 1 here, and
+    spent its early-stop budget on bucket sizes that change nothing before it looked at stage 2."""
+    land = TiedStagesKnobInTheRicher(spread=0.03)
+    buckets = {"reduce_bucket_size": [500000000, 50000000], "allgather_bucket_size": [500000000, 50000000]}
+    knobs = {1: dict(buckets), 2: {**buckets, "overlap_comm": [False, True], "reduce_scatter": [True, False], "contiguous_gradients": [True, False]}}
+    plan = make_plan(stages=[1, 2], mbs=MicroBatchRule("fixed", (8,)), knobs=knobs, fast=False)
+    out = tuner(plan, land, tuner_type="model_based")[0].tune()
+    first_knob_run = next(c for c in land.calls if len(c) > 3 and any(c[k] != knobs[c["stage"]][k][0] for k in knobs[c["stage"]]))
+    assert first_knob_run["stage"] == 2, land.calls
+    assert out.best.params["stage"] == 2 and out.best.params["overlap_comm"] is True
+
+
 BIG = 400_000_000
 
 

@@ -7,7 +7,8 @@ asks its steps in order, each in its own module:
 1. profiling.py: the first runs and the memory model; stages that cannot fit are skipped.
 2. lines.py: the micro-batch of each stage with its default knobs (the leading stage brackets its
    own peak; the others are priced by the line of the stage below them).
-3. knobs.py: the ZeRO knobs of each stage at its best micro-batch, most promising stage first.
+3. knobs.py: the ZeRO knobs of each stage at its best micro-batch: of the stages tied for the lead,
+   the one with the most knob combinations first.
 4. knobs.py: joint refinement, the best (and tied) knobs' own micro-batch search.
 5. repeats.py: disturbed measurements first, then near-tied leaders, measured again.
 
@@ -24,6 +25,7 @@ from typing import Any, Dict, List, Optional
 
 from mlautotune.memory import MemoryModel
 from mlautotune.samplers import make_chooser
+from mlautotune.search.candidates import stage_knob_combos
 from mlautotune.search.knobs import Knobs
 from mlautotune.search.ledger import Ledger, Measured
 from mlautotune.search.lines import Lines
@@ -88,6 +90,15 @@ class Strategy:
         busy = {p["stage"] for p in self.pending_params}
         return [s for s in stages if s not in busy] + [s for s in stages if s in busy]
 
+    def knob_order(self, runs: List[Measured], stages: List[int], best: Measured) -> List[int]:
+        """The stages in the order their knobs are searched: those tied with the incumbent first, the
+        one with the most knob combinations first among them (more candidates, more chances that one
+        beats the incumbent), then the others by their best."""
+        by_value = sorted(stages, key=lambda s: -(self.score((self.stage_best(runs, s) or best).final_value) or 0))
+        tied = [s for s in by_value if (b := self.stage_best(runs, s)) is not None and (b is best or self.tied(best, b))]
+        tied.sort(key=lambda s: -len(stage_knob_combos(self.plan, s)))
+        return tied + [s for s in by_value if s not in tied]
+
     # ---- the next step ------------------------------------------------------------------------------
     def next(self, ledger: Ledger) -> Optional[Step]:
         runs, taken = ledger.order, ledger.taken()
@@ -109,8 +120,7 @@ class Strategy:
             step = self.lines.step(stage, runs, taken, target)
             if step is not None:
                 return step
-        by_promise = self.spread(sorted(stages, key=lambda s: -(self.score((self.stage_best(runs, s) or best).final_value) or 0)))
-        for stage in by_promise:
+        for stage in self.spread(self.knob_order(runs, stages, best)):
             step = self.knobs.step(stage, runs, taken, target, ledger) or self.knobs.joint_step(stage, runs, taken, target)
             if step is not None:
                 return step
