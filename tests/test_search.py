@@ -327,6 +327,37 @@ def test_knobs_tied_with_the_best_get_their_own_micro_batch_search_too():
     assert out.best.params == {"stage": 0, "micro_batch": 17, "gas": 1, "reduce_bucket_size": 50000000}
 
 
+class TiedKnobsSameMemory(Landscape):
+    """As TiedKnobsOneFitsMore, but the buckets change no memory: both tied knob sets have the
+    default knobs' edge (14)."""
+
+    def throughput(self, params):
+        return TiedKnobsOneFitsMore.throughput(self, params)
+
+
+def test_knobs_tied_with_the_best_and_no_more_room_get_no_micro_batch_search_of_their_own():
+    """The old joint step searched the line of every knob set tied with the best. With the same
+    memory that line is the best's, scaled: on a flat landscape (many tied knob sets, each line
+    priced from its own lucky draw) it ran on after the optimum was found. Here the best's line is
+    taken to be spent: the 5e7 bucket, tied with the best, leaves no more room, so nothing is left."""
+    from mlautotune.search.candidates import knobs_of_params, params_key, with_knobs
+
+    knobs = {0: {"reduce_bucket_size": [500000000, 200000000, 50000000]}}
+    for land, more_room in ((TiedKnobsSameMemory(), False), (TiedKnobsOneFitsMore(), True)):
+        t, _ = tuner(make_plan(stages=[0], knobs=knobs, fast=False), land, tuner_type="gridsearch")
+        t.tune()
+        st, runs = t.strategy, t.ledger.order
+        best = st.stage_best(runs, 0)
+        tied = [m for m in runs if m.value is not None and m.params.get("reduce_bucket_size") == 50000000]
+        assert best.params["reduce_bucket_size"] == (50000000 if more_room else 200000000) and tied
+        if more_room:  # the existing case: the 5e7 bucket fits more and its own line found the best
+            continue
+        assert st.tied(best, tied[0])
+        spent = t.ledger.taken() | {params_key(with_knobs(st.plan, 0, m, knobs_of_params(best.params))) for m in range(1, 65)}
+        step = st.knobs.joint_step(0, runs, spent, -math.inf)
+        assert step is None, step
+
+
 class PeaksInside(Landscape):
     """CPU-like: throughput peaks at micro-batch 6, far below the memory edge (14)."""
 

@@ -5,8 +5,9 @@
    the incumbent: in the stage tied for the lead, a prior for knob values not seen yet; in a stage
    behind it, one look if its best is within KNOB_LOOK of the incumbent; then the cost model's
    prediction.
-4. Joint refinement: the stage's best knobs, and any knobs tied with them within the noise, get
-   their own micro-batch search (their own memory edge too), with the default knobs' line as the prior.
+4. Joint refinement: the stage's best knobs, and any knobs tied with them within the noise that
+   leave room for a larger micro-batch, get their own micro-batch search (their own memory edge
+   too), with the default knobs' line as the prior.
 """
 
 from typing import Any, Dict, List, Optional
@@ -14,7 +15,7 @@ from typing import Any, Dict, List, Optional
 from mlautotune.samplers.cost_model import CostModel
 from mlautotune.search.candidates import base_knobs, knobs_of_params, params_key, stage_knob_combos, with_knobs
 from mlautotune.search.ledger import Ledger, Measured
-from mlautotune.search.microbatch import scaled_reference, stretched
+from mlautotune.search.microbatch import EDGE_TOLERANCE, scaled_reference, stretched
 from mlautotune.search.step import Step
 
 KNOB_PRIOR = 0.25  # what knobs the cost model has not yet seen varied might be worth
@@ -90,21 +91,38 @@ class Knobs:
 
     def joint_step(self, stage: int, runs: List[Measured], taken: set, target: float) -> Optional[Step]:
         """The stage's best knobs along the micro-batch, and those of any knob combination tied with
-        them within the noise: its own edge (knobs change memory) from its measured peak, and the
-        default knobs' line as the prior."""
+        them within the noise that leave room for a larger micro-batch: its own edge (knobs change
+        memory) from its measured peak, and the default knobs' line as the prior."""
         st = self.st
         best = st.stage_best(runs, stage)
         base = base_knobs(st.plan, stage)
         if best is None:
             return None
         contenders = sorted((m for m in runs if m.params["stage"] == stage and m.value is not None and knobs_of_params(m.params) != base
-                             and (m is best or st.tied(best, m))), key=lambda m: -st.score(m.final_value))
+                             and (m is best or (st.tied(best, m) and self._more_room(m, best)))), key=lambda m: -st.score(m.final_value))
         for knobs in dict.fromkeys(repr(knobs_of_params(m.params)) for m in contenders):
             lead = next(m for m in contenders if repr(knobs_of_params(m.params)) == knobs)
             step = self._knob_line_step(stage, lead, runs, taken, target)
             if step is not None:
                 return step
         return None
+
+    def _edge_from(self, m: Measured) -> Optional[int]:
+        """The largest micro-batch the memory model allows from m's measured peak (knobs change memory)."""
+        st = self.st
+        peak = m.result.metrics.get("peak_memory_bytes")
+        if st.memory is None or not st.memory.limit or not st.memory.per_sample or not peak:
+            return None
+        return m.params["micro_batch"] + int((st.memory.limit - peak) / st.memory.per_sample)
+
+    def _more_room(self, m: Measured, best: Measured) -> bool:
+        """m's knobs leave room for a larger micro-batch than the best's: a line of its own can go
+        where the best's cannot. With the same room its line is the best's, scaled: nothing to learn."""
+        a, b = self._edge_from(m), self._edge_from(best)
+        if a is None or b is None:
+            return False
+        cap = self.st.cap or max(a, b)
+        return min(a, cap) > min(b, cap) * (1 + 1 / EDGE_TOLERANCE)  # beyond the edge search's own tolerance
 
     def _knob_line_step(self, stage: int, lead: Measured, runs: List[Measured], taken: set, target: float) -> Optional[Step]:
         st, lines = self.st, self.st.lines
@@ -114,9 +132,6 @@ class Knobs:
         below, below_edge = lines.reference(runs, stage)
         base_edge = lines.stage_edge(stage, base_line)
         reference = base_line + scaled_reference(base_line, stretched(below, below_edge, base_edge), 1.0)
-        predicted = None
-        peak = lead.result.metrics.get("peak_memory_bytes")
-        if st.memory is not None and st.memory.limit and st.memory.per_sample and peak:
-            predicted = lead.params["micro_batch"] + int((st.memory.limit - peak) / st.memory.per_sample)
+        predicted = self._edge_from(lead)
         edge = lines.edge(own, ooms, stage, predicted) if predicted is not None else None
         return lines.line_step(stage, knobs, own, ooms, stretched(reference, base_edge, lines.line_edge(own, edge)), edge, taken, target, 1.0)
