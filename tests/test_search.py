@@ -466,6 +466,27 @@ def test_of_stages_tied_for_the_lead_the_one_with_more_knob_combinations_is_sear
     assert out.best.params["stage"] == 2 and out.best.params["overlap_comm"] is True
 
 
+class SaturatingWithKnob(Landscape):
+    """Throughput saturates with the micro-batch (flat from about 10), and a small reduce bucket is
+    worth 10% in stage 1 only."""
+
+    def throughput(self, params):
+        t = 100 * (1 - 0.5 * math.exp(-params["micro_batch"] / 2))
+        return t * (1.10 if params["stage"] == 1 and params.get("reduce_bucket_size") == 50000000 else 1.0)
+
+
+def test_a_stage_that_leads_by_its_knobs_does_not_search_its_default_knob_line_on_its_own():
+    """Once the small bucket put stage 1 in the lead, the old search bracketed stage 1's default-knob
+    line on its own (10 and 14 below its one look at 20), which cannot hold the optimum: that line is
+    the knob line's prior, and the line below it prices it."""
+    land = SaturatingWithKnob(per_sample=150 * 2**20)
+    knobs = {0: {}, 1: {"reduce_bucket_size": [500000000, 50000000]}}
+    out = tuner(make_plan(stages=[0, 1], knobs=knobs, fast=False), land, tuner_type="model_based")[0].tune()
+    assert out.best.params["stage"] == 1 and out.best.params["reduce_bucket_size"] == 50000000
+    default_line = {c["micro_batch"] for c in land.calls if c["stage"] == 1 and c["reduce_bucket_size"] == 500000000}
+    assert len(default_line) == 1, land.calls
+
+
 BIG = 400_000_000
 
 

@@ -84,9 +84,11 @@ class Lines:
         return self.line_step(stage, knobs, own, ooms, stretched(reference, ref_edge, self.line_edge(own, edge)), edge, taken, target, UNSEEN_STAGE)
 
     def _leads(self, runs: List[Measured], stage: int, target: float) -> bool:
-        """The stage holds the incumbent, and no other stage's best is within the noise of it."""
+        """The stage's default-knob line holds the incumbent, and no other stage's best is within the
+        noise of it. A stage that leads by its knobs has that knob line refined (knobs.py, step 4),
+        with this line as the prior: this one is then priced by the line below it."""
         st = self.st
-        mine = st.stage_best(runs, stage)
+        mine = st.best([m for m in runs if m.params["stage"] == stage and knobs_of_params(m.params) == base_knobs(st.plan, stage)])
         if mine is None or mine is not st.best(runs):
             return False
         lead = st.score(mine.final_value)
