@@ -720,9 +720,12 @@ def test_a_claim_of_the_same_params_still_being_written_by_an_earlier_trial_is_w
     assert study.trials[-1].state == optuna.trial.TrialState.PRUNED and study.trials[-1].user_attrs["duplicate_of"] == early.number
 
 
-def test_a_claim_its_worker_died_writing_is_waited_for_once(tmp_path, monkeypatch):
+@pytest.mark.parametrize("storage_delay", [0.0, 0.3])
+def test_a_claim_its_worker_died_writing_is_waited_for_once(tmp_path, monkeypatch, storage_delay):
     """Worker A died between `ask` and its params: its trial stays RUNNING, half-written, until its
-    heartbeat fails it. Worker B waits CLAIM_WAIT_S for it once, not at each of its claims."""
+    heartbeat fails it. Worker B waits CLAIM_WAIT_S for it once, not at each of its claims, and
+    looks again at least once even when the storage answers slower than CLAIM_WAIT_S (a loaded
+    host: a first read of 0.3 s used to give up without a second look)."""
     from mlautotune.search import ledger as ledger_module
     from mlautotune.search.ledger import Fixed
 
@@ -735,6 +738,8 @@ def test_a_claim_its_worker_died_writing_is_waited_for_once(tmp_path, monkeypatc
     sleeps = []
     real_sleep = ledger_module.time.sleep
     monkeypatch.setattr(ledger_module.time, "sleep", lambda s: (sleeps.append(s), real_sleep(s)))
+    real_get_trials = b.ledger.study.get_trials
+    monkeypatch.setattr(b.ledger.study, "get_trials", lambda *a, **k: (real_sleep(storage_delay), real_get_trials(*a, **k))[1])
     first = b.ledger.claim({"stage": 0, "micro_batch": 4, "gas": 1})
     waited = len(sleeps)
     second = b.ledger.claim({"stage": 0, "micro_batch": 8, "gas": 1})

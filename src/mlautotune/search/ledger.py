@@ -223,7 +223,7 @@ class Ledger:
         """The earlier trial that holds these params, if any. An earlier claim still being written
         (its params are set one by one) is waited for, up to CLAIM_WAIT_S: it may be the holder. One
         still unwritten after that was cut off mid-claim, and is not waited for again."""
-        deadline = time.monotonic() + CLAIM_WAIT_S
+        deadline, polls = time.monotonic() + CLAIM_WAIT_S, 0
         while True:
             earlier = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.COMPLETE, TrialState.FAIL)) if t.number < number]
             for t in earlier:
@@ -232,9 +232,10 @@ class Ledger:
             writing = {t.number for t in earlier if t.state == TrialState.RUNNING and not claim_complete(t)} - self._stuck_claims
             if not writing:
                 return None
-            if time.monotonic() > deadline:
+            if polls and time.monotonic() > deadline:  # looked again at least once, however slow the storage
                 self._stuck_claims |= writing
                 return None
+            polls += 1
             time.sleep(0.05)
 
     def interrupt(self, trial: optuna.Trial) -> None:
