@@ -358,6 +358,45 @@ def test_knobs_tied_with_the_best_and_no_more_room_get_no_micro_batch_search_of_
         assert step is None, step
 
 
+class PressureNearTheEdge(Landscape):
+    """Throughput falls in the last 15% of memory (memory pressure), at whatever micro-batch each
+    knob set's edge puts it; reduce buckets of 2e8 and 5e7 save 300 and 600 MiB per rank and are
+    tied (+10.5% and +10%)."""
+
+    SAVES = {200000000: 300 * 2**20, 50000000: 600 * 2**20}
+
+    def peak_of(self, params):
+        return super().peak_of(params) - self.SAVES.get(params.get("reduce_bucket_size"), 0)
+
+    def throughput(self, params):
+        t = 100 * params["micro_batch"] / (params["micro_batch"] + 10)
+        t *= {200000000: 1.105, 50000000: 1.10}.get(params.get("reduce_bucket_size"), 1.0)
+        return t * (1 - 2 * max(0.0, self.peak_of(params) / LIMIT - 0.85))
+
+
+def test_a_tied_knob_sets_line_is_priced_by_the_fall_the_line_searched_before_it_found():
+    """On the tie landscape each knob set tied with the best got its own line, priced by the
+    default-knob line, which rose as far as it was measured (the fall near the edge unseen), so each
+    line probed its edge and found the fall the previous tied line had already shown. The knob lines
+    searched before it now complete the prior: the 5e7 bucket's line is priced close to its true
+    peak (the old price was 8% over it)."""
+    from mlautotune.search.step import Step
+
+    knobs = {0: {"reduce_bucket_size": [500000000, 200000000, 50000000]}}
+    land = PressureNearTheEdge(per_sample=100 * 2**20)
+    t, _ = tuner(make_plan(stages=[0], knobs=knobs, fast=False), land, tuner_type="gridsearch")
+    for bucket, sizes in ((500000000, (1, 4, 8, 12, 16, 20)), (200000000, (20,)), (50000000, (20,)), (200000000, (24, 27, 30))):
+        for mbs in sizes:
+            params = {"stage": 0, "micro_batch": mbs, "gas": 1, "reduce_bucket_size": bucket}
+            t.run(t.ledger.claim(params), Step(params, "chosen by the test"))
+    st, runs = t.strategy, t.ledger.order
+    lead = next(m for m in runs if m.params["reduce_bucket_size"] == 50000000)
+    true_peak = max(land.throughput({**lead.params, "micro_batch": m}) for m in range(1, 64) if land.peak_of({**lead.params, "micro_batch": m}) <= LIMIT)
+    step = st.knobs._knob_line_step(0, lead, runs, t.ledger.taken(), -math.inf)
+    price = float(step.why.split("may reach ")[1])  # the reason every experiment carries
+    assert 0.97 * true_peak <= price <= 1.03 * true_peak, (price, true_peak)
+
+
 class PeaksInside(Landscape):
     """CPU-like: throughput peaks at micro-batch 6, far below the memory edge (14)."""
 

@@ -7,15 +7,15 @@
    prediction.
 4. Joint refinement: the stage's best knobs, and any knobs tied with them within the noise that
    leave room for a larger micro-batch, get their own micro-batch search (their own memory edge
-   too), with the default knobs' line as the prior.
+   too), with the default knobs' line as the prior, completed by the knob lines searched before.
 """
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from mlautotune.samplers.cost_model import CostModel
 from mlautotune.search.candidates import base_knobs, knobs_of_params, params_key, stage_knob_combos, with_knobs
 from mlautotune.search.ledger import Ledger, Measured
-from mlautotune.search.microbatch import EDGE_TOLERANCE, scaled_reference, stretched
+from mlautotune.search.microbatch import EDGE_TOLERANCE, Point, scaled_reference, stretched
 from mlautotune.search.step import Step
 
 KNOB_PRIOR = 0.25  # what knobs the cost model has not yet seen varied might be worth
@@ -124,14 +124,38 @@ class Knobs:
         cap = self.st.cap or max(a, b)
         return min(a, cap) > min(b, cap) * (1 + 1 / EDGE_TOLERANCE)  # beyond the edge search's own tolerance
 
-    def _knob_line_step(self, stage: int, lead: Measured, runs: List[Measured], taken: set, target: float) -> Optional[Step]:
-        st, lines = self.st, self.st.lines
-        knobs = knobs_of_params(lead.params)
-        own, ooms, _ = lines.line(runs, stage, knobs)
-        base_line = lines.line(runs, stage, base_knobs(st.plan, stage))[0]
-        below, below_edge = lines.reference(runs, stage)
-        base_edge = lines.stage_edge(stage, base_line)
-        reference = base_line + scaled_reference(base_line, stretched(below, below_edge, base_edge), 1.0)
+    def _knob_line(self, stage: int, lead: Measured, runs: List[Measured]):
+        """The knob line of lead's knobs: its points, OOM sizes, and its edge search's next size."""
+        lines = self.st.lines
+        own, ooms, _ = lines.line(runs, stage, knobs_of_params(lead.params))
         predicted = self._edge_from(lead)
-        edge = lines.edge(own, ooms, stage, predicted) if predicted is not None else None
+        return own, ooms, (lines.edge(own, ooms, stage, predicted) if predicted is not None else None)
+
+    def _shape(self, stage: int, knobs: Dict[str, Any], runs: List[Measured]) -> Tuple[List[Point], Optional[int]]:
+        """The stage's line shape for a knob line, and its edge: its default-knob line, completed beyond its own
+        sizes by the stage's other knob lines already searched (two sizes or more, stretched to its
+        edge, scaled to it): where a tied knob set's line fell before its edge, the next one's is
+        priced by that fall, not by the default line's rise."""
+        st, lines = self.st, self.st.lines
+        base = base_knobs(st.plan, stage)
+        shape = lines.line(runs, stage, base)[0]
+        base_edge = lines.stage_edge(stage, shape)
+        leads = {}
+        for m in sorted((m for m in runs if m.params["stage"] == stage and m.value is not None), key=lambda m: -st.score(m.final_value)):
+            leads.setdefault(repr(knobs_of_params(m.params)), m)
+        for key, lead in leads.items():
+            if key in (repr(base), repr(knobs)):
+                continue
+            own, _, edge = self._knob_line(stage, lead, runs)
+            if len(own) >= 2:
+                shape = shape + scaled_reference(shape, stretched(own, lines.line_edge(own, edge), base_edge), 1.0)
+        return shape, base_edge
+
+    def _knob_line_step(self, stage: int, lead: Measured, runs: List[Measured], taken: set, target: float) -> Optional[Step]:
+        lines = self.st.lines
+        knobs = knobs_of_params(lead.params)
+        own, ooms, edge = self._knob_line(stage, lead, runs)
+        shape, base_edge = self._shape(stage, knobs, runs)
+        below, below_edge = lines.reference(runs, stage)
+        reference = shape + scaled_reference(shape, stretched(below, below_edge, base_edge), 1.0)
         return lines.line_step(stage, knobs, own, ooms, stretched(reference, base_edge, lines.line_edge(own, edge)), edge, taken, target, 1.0)
