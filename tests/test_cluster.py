@@ -19,16 +19,16 @@ def test_exactly_one_claim_per_session_and_purpose(tmp_path):
 
 
 def test_a_running_trial_stays_alive_while_it_beats_and_is_failed_once_its_worker_is_gone(tmp_path):
-    store = storage(f"sqlite:///{tmp_path / 'optuna.db'}", heartbeat_s=1, grace_s=2)
+    store = storage(f"sqlite:///{tmp_path / 'optuna.db'}", heartbeat_s=1, grace_s=3)  # a beat may come 2 s late on a loaded host
     study = optuna.create_study(storage=store, study_name="s")
     trial = study.ask()
     beat = Heartbeat(store)
     exp = SimpleNamespace(name="z1_gas1_tmbspg4")
     beat.experiment_started(exp, trial)
-    time.sleep(3.5)  # longer than the grace period: only the heartbeat keeps the trial alive
+    time.sleep(4.5)  # longer than the grace period: only the heartbeat keeps the trial alive
     optuna.storages.fail_stale_trials(study)
     assert study.trials[trial.number].state == TrialState.RUNNING
     beat.experiment_finished(exp, None, None)  # the worker stops beating, as a dead one would
-    time.sleep(3.5)
+    time.sleep(4.5)
     optuna.storages.fail_stale_trials(study)
     assert study.trials[trial.number].state == TrialState.FAIL
