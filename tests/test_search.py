@@ -379,7 +379,7 @@ def test_a_tied_knob_sets_line_is_priced_by_the_fall_the_line_searched_before_it
     default-knob line, which rose as far as it was measured (the fall near the edge unseen), so each
     line probed its edge and found the fall the previous tied line had already shown. The knob lines
     searched before it now complete the prior: the 5e7 bucket's line is priced close to its true
-    peak (the old price was 8% over it)."""
+    peak (the old price was 7% over it)."""
     from mlautotune.search.step import Step
 
     knobs = {0: {"reduce_bucket_size": [500000000, 200000000, 50000000]}}

@@ -124,7 +124,7 @@ class Knobs:
         cap = self.st.cap or max(a, b)
         return min(a, cap) > min(b, cap) * (1 + 1 / EDGE_TOLERANCE)  # beyond the edge search's own tolerance
 
-    def _knob_line(self, stage: int, lead: Measured, runs: List[Measured]):
+    def _knob_line(self, stage: int, lead: Measured, runs: List[Measured]) -> Tuple[List[Point], List[int], Optional[int]]:
         """The knob line of lead's knobs: its points, OOM sizes, and its edge search's next size."""
         lines = self.st.lines
         own, ooms, _ = lines.line(runs, stage, knobs_of_params(lead.params))
@@ -132,10 +132,10 @@ class Knobs:
         return own, ooms, (lines.edge(own, ooms, stage, predicted) if predicted is not None else None)
 
     def _shape(self, stage: int, knobs: Dict[str, Any], runs: List[Measured]) -> Tuple[List[Point], Optional[int]]:
-        """The stage's line shape for a knob line, and its edge: its default-knob line, completed beyond its own
-        sizes by the stage's other knob lines already searched (two sizes or more, stretched to its
-        edge, scaled to it): where a tied knob set's line fell before its edge, the next one's is
-        priced by that fall, not by the default line's rise."""
+        """The stage's line shape for a knob line, and its edge: its default-knob line, completed
+        beyond its own sizes by the stage's other knob lines already searched (two sizes or more,
+        best first, stretched to its edge, scaled to it): where a tied knob set's line fell before its
+        edge, the next one's is priced by that fall, not by the default line's rise."""
         st, lines = self.st, self.st.lines
         base = base_knobs(st.plan, stage)
         shape = lines.line(runs, stage, base)[0]
