@@ -98,14 +98,20 @@ class Knobs:
         base = base_knobs(st.plan, stage)
         if best is None:
             return None
-        contenders = sorted((m for m in runs if m.params["stage"] == stage and m.value is not None and knobs_of_params(m.params) != base
-                             and (m is best or (st.tied(best, m) and self._more_room(m, best)))), key=lambda m: -st.score(m.final_value))
-        for knobs in dict.fromkeys(repr(knobs_of_params(m.params)) for m in contenders):
-            lead = next(m for m in contenders if repr(knobs_of_params(m.params)) == knobs)
+        contenders = [m for m in runs if m.params["stage"] == stage and m.value is not None and knobs_of_params(m.params) != base
+                      and (m is best or (st.tied(best, m) and self._more_room(m, best)))]
+        for lead in self._best_per_knobs(contenders):
             step = self._knob_line_step(stage, lead, runs, taken, target)
             if step is not None:
                 return step
         return None
+
+    def _best_per_knobs(self, runs: List[Measured]) -> List[Measured]:
+        """The best of the runs with each knob combination, best first."""
+        leads: Dict[str, Measured] = {}
+        for m in sorted(runs, key=lambda m: -self.st.score(m.final_value)):
+            leads.setdefault(repr(knobs_of_params(m.params)), m)
+        return list(leads.values())
 
     def _edge_from(self, m: Measured) -> Optional[int]:
         """The largest micro-batch the memory model allows from m's measured peak (knobs change memory)."""
@@ -140,11 +146,8 @@ class Knobs:
         base = base_knobs(st.plan, stage)
         shape = lines.line(runs, stage, base)[0]
         base_edge = lines.stage_edge(stage, shape)
-        leads = {}
-        for m in sorted((m for m in runs if m.params["stage"] == stage and m.value is not None), key=lambda m: -st.score(m.final_value)):
-            leads.setdefault(repr(knobs_of_params(m.params)), m)
-        for key, lead in leads.items():
-            if key in (repr(base), repr(knobs)):
+        for lead in self._best_per_knobs([m for m in runs if m.params["stage"] == stage and m.value is not None]):
+            if repr(knobs_of_params(lead.params)) in (repr(base), repr(knobs)):
                 continue
             own, _, edge = self._knob_line(stage, lead, runs)
             if len(own) >= 2:
