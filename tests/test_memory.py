@@ -112,6 +112,19 @@ def test_each_stage_gets_its_own_fixed_part_and_shares_the_per_sample_slope():
     assert m.predict(2, 8) == pytest.approx(m.model_states(2) + 3 * GiB + 800 * 2**20)
 
 
+def test_a_stage_not_run_yet_is_predicted_by_its_nearest_run_stage_not_by_the_average():
+    """ZeRO's buffers grow with the stage (a CPU rank's z1-z3 held 100-150 MB more than z0 on the 4M
+    landscape): z2's first look, placed by the average of z0 and z1, ran out of memory."""
+    m = model(world=2, n=10_000_000)
+    for mbs in (1, 4):
+        m.observe(0, mbs, int(m.model_states(0) + 1 * GiB + mbs * 100 * 2**20), oom=False)
+    m.observe(1, 4, int(m.model_states(1) + 3 * GiB + 4 * 100 * 2**20), oom=False)
+    assert m.predict(2, 8) == pytest.approx(m.model_states(2) + 3 * GiB + 800 * 2**20)
+    assert m.predict(3, 8) == pytest.approx(m.model_states(3) + 3 * GiB + 800 * 2**20)
+    m.observe(3, 4, int(m.model_states(3) + 5 * GiB + 4 * 100 * 2**20), oom=False)
+    assert m.predict(2, 8) == pytest.approx(m.model_states(2) + 5 * GiB + 800 * 2**20)  # as near as z1: the higher
+
+
 def test_an_oom_in_a_stage_without_successful_runs_calibrates_its_prediction():
     m = model(world=2, n=10_000_000, limit=16 * GiB)
     for mbs in (1, 4):

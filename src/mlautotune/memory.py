@@ -6,7 +6,8 @@ model_states follows ZeRO: bytes per parameter by precision and optimizer, parti
 data-parallel degree (world_size // mp_size), with offloaded parts removed. `per_sample`
 (activations) is fitted by least squares to the peaks that experiments measure, and refitted as
 every result comes in. `fixed` (runtime, buffers, framework) is fitted per stage once the stage has
-measurements of its own (ZeRO's buckets and prefetch buffers differ by stage), else shared.
+measurements of its own (ZeRO's buckets and prefetch buffers differ by stage); a stage not run yet
+takes its nearest run stage's.
 Where a stage's memory grows faster somewhere than its own fitted line says (a CPU rank's RSS),
 that growth carries on beyond its largest run, from the run's measured peak, in the edge prediction
 of every stage. An OOM is a hard bound: no micro-batch at or above it is predicted to fit, in that
@@ -66,9 +67,18 @@ class MemoryModel:
         return params + grads + master + optim
 
     def predict(self, stage: int, mbs: int) -> float:
-        fixed = self.stage_fixed.get(stage, self.fixed or 0.0)
+        fixed = self.fixed_part(stage)
         per_sample = self.per_sample if self.per_sample is not None else 0.0
         return fixed + self.model_states(stage) + per_sample * mbs
+
+    def fixed_part(self, stage: int) -> float:
+        """The stage's own fixed part; for a stage not run yet, that of the nearest stage that ran (the
+        higher of two as near): ZeRO's buckets and prefetch buffers grow with the stage, so a stage is
+        more like its neighbour than like the average of all."""
+        if stage in self.stage_fixed:
+            return self.stage_fixed[stage]
+        near = sorted(self.stage_fixed, key=lambda s: (abs(s - stage), -s))
+        return self.stage_fixed[near[0]] if near else (self.fixed or 0.0)
 
     def observe(self, stage: int, mbs: int, peak_bytes: Optional[int], oom: bool) -> None:
         """One measured peak (an OOM's peak may be unknown: a real accelerator OOM reports none)."""
@@ -88,8 +98,8 @@ class MemoryModel:
 
     def _fit(self) -> None:
         """per_sample: least squares within each stage (each stage has its own intercept); fixed:
-        per stage from its own runs, or, for a stage with only OOMs, the shared fixed raised to what
-        the OOMs imply (the shared fixed alone is for stages not measured yet)."""
+        per stage from its own runs, or, for a stage with only OOMs, its nearest run stage's raised
+        to what the OOMs imply."""
         ok = [(s, m, peak - self.model_states(s)) for s, m, peak, oom in self.points if not oom]
         if not ok:
             return
@@ -100,11 +110,10 @@ class MemoryModel:
         ys_all = np.array([y for _, _, y in ok], dtype=float)
         self.per_sample = max(num / den, MIN_PER_SAMPLE) if den > 0 else PRIOR_PER_SAMPLE_FRACTION * max(float(ys_all.mean()), 1.0)
         self.fixed = float(np.mean([y - self.per_sample * m for _, m, y in ok]))
-        self.stage_fixed = {}
-        for stage in {s for s, _, _, _ in self.points}:
-            own = [y - self.per_sample * m for s, m, y in ok if s == stage]
+        self.stage_fixed = {stage: float(np.mean([y - self.per_sample * m for s, m, y in ok if s == stage])) for stage in {s for s, _, _ in ok}}
+        for stage in sorted({s for s, _, _, _ in self.points} - set(self.stage_fixed)):
             bounds = [peak - self.model_states(s) - self.per_sample * m for s, m, peak, oom in self.points if s == stage and oom]
-            self.stage_fixed[stage] = float(np.mean(own)) if own else max([self.fixed, *(b + 1 for b in bounds)])
+            self.stage_fixed[stage] = max([self.fixed_part(stage), *(b + 1 for b in bounds)])
 
     def fits(self, stage: int, mbs: int) -> bool:
         if stage in self.oom_at and mbs >= self.oom_at[stage]:
