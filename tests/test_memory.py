@@ -122,7 +122,7 @@ def test_a_stage_not_run_yet_is_predicted_by_its_nearest_run_stage_not_by_the_av
     assert m.predict(2, 8) == pytest.approx(m.model_states(2) + 3 * GiB + 800 * 2**20)
     assert m.predict(3, 8) == pytest.approx(m.model_states(3) + 3 * GiB + 800 * 2**20)
     m.observe(3, 4, int(m.model_states(3) + 5 * GiB + 4 * 100 * 2**20), oom=False)
-    assert m.predict(2, 8) == pytest.approx(m.model_states(2) + 5 * GiB + 800 * 2**20)  # as near as z1: the higher
+    assert m.predict(2, 8) == pytest.approx(m.model_states(2) + 5 * GiB + 800 * 2**20)  # as near as z1: the higher stage
 
 
 def test_an_oom_in_a_stage_without_successful_runs_calibrates_its_prediction():

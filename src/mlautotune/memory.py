@@ -73,8 +73,8 @@ class MemoryModel:
 
     def fixed_part(self, stage: int) -> float:
         """The stage's own fixed part; for a stage not run yet, that of the nearest stage that ran (the
-        higher of two as near): ZeRO's buckets and prefetch buffers grow with the stage, so a stage is
-        more like its neighbour than like the average of all."""
+        higher stage of two as near): ZeRO's buckets and prefetch buffers grow with the stage, so a
+        stage is more like its neighbour than like the average of all."""
         if stage in self.stage_fixed:
             return self.stage_fixed[stage]
         near = sorted(self.stage_fixed, key=lambda s: (abs(s - stage), -s))
