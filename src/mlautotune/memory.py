@@ -78,7 +78,7 @@ class MemoryModel:
         if stage in self.stage_fixed:
             return self.stage_fixed[stage]
         near = sorted(self.stage_fixed, key=lambda s: (abs(s - stage), -s))
-        return self.stage_fixed[near[0]] if near else (self.fixed or 0.0)
+        return self.stage_fixed[near[0]] if near else 0.0  # nothing has run yet: nothing fitted
 
     def observe(self, stage: int, mbs: int, peak_bytes: Optional[int], oom: bool) -> None:
         """One measured peak (an OOM's peak may be unknown: a real accelerator OOM reports none)."""
