@@ -874,3 +874,20 @@ def test_workers_that_each_profiled_a_stage_measure_one_second_memory_point_betw
     nxt = [w.propose() for w in ws]
     seconds = [c[1] for c in claimed + nxt if isinstance(c, tuple) and c[1].why.startswith("profiling") and c[0].params["micro_batch"] == 4]
     assert len(seconds) == 1
+
+
+def test_a_budget_that_would_end_before_every_stage_had_a_look_gives_the_looks_first():
+    """tuner_num_trials=6 with four stages and z0's peak inside its line (bracketing it takes every
+    experiment after profiling): when the experiments left are no more than the stages not yet run,
+    each of those gets its look, and the report has every stage."""
+    land = PeaksInside()
+    out = tuner(make_plan(), land, tuner_type="gridsearch", num_trials=6)[0].tune()
+    assert out.experiments == 6
+    assert {c["stage"] for c in land.calls} == {0, 1, 2, 3}
+    assert set(out.stage_best) == {0, 1, 2, 3}
+    assert any("left in the budget" in n for n in out.notes)
+    # with budget to spare, z0's peak is bracketed first, as before, and no such note
+    land = PeaksInside()
+    out = tuner(make_plan(), land, tuner_type="gridsearch", num_trials=50)[0].tune()
+    assert not any("left in the budget" in n for n in out.notes)
+    assert [c["stage"] for c in land.calls[:5]] == [0] * 5

@@ -99,6 +99,19 @@ class Strategy:
         tied.sort(key=lambda s: -len(stage_knob_combos(self.plan, s)))
         return tied + [s for s in by_value if s not in tied]
 
+    def looks_first(self, stages: List[int], runs: List[Measured], ledger: Ledger) -> List[int]:
+        """The stages in the order their lines are stepped. When the experiments left in the budget
+        (tuner_num_trials) are no more than the stages not yet run, those stages come first: one look
+        at every stage tells more than the last sizes of one line, and a budget that ends before a
+        stage was tried leaves a report with the stage missing."""
+        unseen = [s for s in stages if not any(m.params["stage"] == s for m in runs) and s not in {p["stage"] for p in self.pending_params}]
+        left = self.s.num_trials - ledger.experiments - len(ledger.pending)
+        if unseen and left <= len(unseen):
+            self.note(f"{left} experiment{'s' * (left != 1)} left in the budget: a first look at "
+                      f"{', '.join(f'z{s}' for s in unseen)} before any line goes on")
+            return unseen + [s for s in stages if s not in unseen]
+        return stages
+
     # ---- the next step ------------------------------------------------------------------------------
     def next(self, ledger: Ledger) -> Optional[Step]:
         runs, taken = ledger.order, ledger.taken()
@@ -116,7 +129,7 @@ class Strategy:
         best = self.best(runs)
         target = self.score(best.final_value) * (1 + self.s.explore * self.margin(runs)) if best else 0.0
         stages = self.spread([s for s in self.plan.stages if self.profiling.feasible(s)])
-        for stage in stages:
+        for stage in self.looks_first(stages, runs, ledger):
             step = self.lines.step(stage, runs, taken, target)
             if step is not None:
                 return step
