@@ -885,9 +885,9 @@ def test_a_budget_that_would_end_before_every_stage_had_a_look_gives_the_looks_f
     assert out.experiments == 6
     assert {c["stage"] for c in land.calls} == {0, 1, 2, 3}
     assert set(out.stage_best) == {0, 1, 2, 3}
-    assert any("left in the budget" in n for n in out.notes)
+    assert any("before every stage had a look" in n for n in out.notes)
     # with budget to spare, z0's peak is bracketed first, as before, and no such note
     land = PeaksInside()
     out = tuner(make_plan(), land, tuner_type="gridsearch", num_trials=50)[0].tune()
-    assert not any("left in the budget" in n for n in out.notes)
+    assert not any("before every stage had a look" in n for n in out.notes)
     assert [c["stage"] for c in land.calls[:5]] == [0] * 5

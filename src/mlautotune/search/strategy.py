@@ -107,8 +107,8 @@ class Strategy:
         unseen = [s for s in stages if not any(m.params["stage"] == s for m in runs) and s not in {p["stage"] for p in self.pending_params}]
         left = self.s.num_trials - ledger.experiments - len(ledger.pending)
         if unseen and left <= len(unseen):
-            self.note(f"{left} experiment{'s' * (left != 1)} left in the budget: a first look at "
-                      f"{', '.join(f'z{s}' for s in unseen)} before any line goes on")
+            self.note(f"tuner_num_trials={self.s.num_trials} would be spent before every stage had a look: "
+                      "the stages not yet run get their first look before any line goes on")
             return unseen + [s for s in stages if s not in unseen]
         return stages
 

@@ -1,0 +1,23 @@
+"""The session's report files, from an outcome built directly (no launches)."""
+
+from mlautotune.experiment import Result
+from mlautotune.report import write_reports
+from mlautotune.search.ledger import Measured
+from mlautotune.search.tuner import Outcome
+
+
+def measured(name, stage, mbs, value, repeats=(), trial=0):
+    metrics = {"throughput": value, "interval_rel": 0.05}
+    return Measured({"stage": stage, "micro_batch": mbs, "gas": 1}, Result(name, "ok", metrics, "", 10.0, "", 0), trial, value, list(repeats))
+
+
+def test_the_summary_counts_re_measurements_among_the_experiments(tmp_path):
+    """A run that printed [8/8] must not report 7 experiments: re-measurements are launches too."""
+    a = measured("z0_gas1_tmbspg4", 0, 4, 100.0, repeats=[98.0], trial=0)
+    b = measured("z1_gas1_tmbspg4", 1, 4, 90.0, trial=2)
+    outcome = Outcome(best=a, stage_best={0: a, 1: b}, measured=[a, b], experiments=3)
+    write_reports(tmp_path, outcome, stages=[0, 1], metric="throughput", status="complete", wall_time_s=30.0, session="s",
+                  optimal_ds_config=None, optimal_cmd=None)
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "Total number of experiments: 3, 2 configurations and 1 re-measurement." in summary
+    assert "over 2 measurements" in summary
