@@ -21,3 +21,18 @@ def test_the_summary_counts_re_measurements_among_the_experiments(tmp_path):
     summary = (tmp_path / "summary.txt").read_text()
     assert "Total number of experiments: 3, 2 configurations and 1 re-measurement." in summary
     assert "over 2 measurements" in summary
+
+
+def test_plots_of_a_session_where_every_experiment_failed_warn_nothing(tmp_path):
+    """A script that crashes at import fails every experiment: the report still draws its plots, and
+    the user sees no matplotlib warning about an empty legend."""
+    import warnings
+
+    from mlautotune.report import plot_session
+
+    failed = Measured({"stage": 0, "micro_batch": 1, "gas": 1}, Result("z0_gas1_tmbspg1", "failed", {}, "ModuleNotFoundError", 1.0, "", 1), 0, None)
+    outcome = Outcome(best=None, stage_best={}, measured=[failed], experiments=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        paths = plot_session(tmp_path, outcome, "throughput")
+    assert paths and all(p.stat().st_size > 1000 for p in paths)

@@ -199,7 +199,8 @@ def plot_session(plots_dir: Path, outcome: Outcome, metric: str) -> List[Path]:
         ax.plot([b.params["micro_batch"]], [b.final_value], "*", color="gold", markersize=18, markeredgecolor="black", label=f"optimum {b.result.name}")
     ax.set(xlabel="micro-batch size per GPU", ylabel=ylabel, title=f"{metric} vs micro-batch size, per ZeRO stage")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:  # nothing ran: no legend (matplotlib would warn the user about it)
+        ax.legend(fontsize=8)
     paths.append(_save(fig, plots_dir / f"{metric}_vs_micro_batch.png"))
 
     fig, ax = plt.subplots(figsize=(8, 5))
