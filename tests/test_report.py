@@ -36,3 +36,18 @@ def test_plots_of_a_session_where_every_experiment_failed_warn_nothing(tmp_path)
         warnings.simplefilter("error")
         paths = plot_session(tmp_path, outcome, "throughput")
     assert paths and all(p.stat().st_size > 1000 for p in paths)
+
+
+def test_the_summary_names_the_configurations_the_measurements_cannot_rank_against_the_optimum(tmp_path):
+    """A pick within the noise of others is not the only answer: the summary and session.json name
+    the others, so a user may take the one that needs less memory or a smaller ZeRO stage."""
+    import json
+
+    a = measured("z2_gas1_tmbspg8", 2, 8, 100.0, repeats=[99.0], trial=0)
+    b = measured("z1_gas1_tmbspg8", 1, 8, 98.0, trial=1)
+    outcome = Outcome(best=a, stage_best={2: a, 1: b}, measured=[a, b], experiments=3, ties=[b])
+    write_reports(tmp_path, outcome, stages=[1, 2], metric="throughput", status="complete", wall_time_s=30.0, session="s",
+                  optimal_ds_config=None, optimal_cmd=None)
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "Within the measurement interval of it, so as good as far as these measurements tell: z1_gas1_tmbspg8 98 (+-5.0%)" in summary
+    assert json.loads((tmp_path / "session.json").read_text())["ties"] == ["z1_gas1_tmbspg8"]

@@ -180,6 +180,8 @@ def test_near_ties_are_remeasured_before_the_optimum_is_declared():
     assert any("re-measuring" in n for n in out.notes)
     assert len(out.best.repeats) == 2
     assert len(land.calls) == 2 + 2 * 2
+    # still within each other's interval after the repeats: the outcome says so, for the report
+    assert [m.params["micro_batch"] for m in out.ties] == [12 if out.best.params["micro_batch"] == 13 else 13]
 
 
 def test_a_pick_still_tied_when_the_re_measurement_budget_is_spent_does_not_stand_on_one_window():
@@ -205,6 +207,7 @@ def test_clear_winner_is_not_remeasured():
     t, _ = tuner(make_plan(stages=[0], mbs=MicroBatchRule("list", (1, 13))), land, tuner_type="gridsearch")
     out = t.tune()
     assert out.best.repeats == [] and len(land.calls) == 2
+    assert out.ties == []
 
 
 def test_resume_reuses_finished_experiments_and_requeues_the_interrupted_one(tmp_path):

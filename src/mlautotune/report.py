@@ -96,6 +96,7 @@ def write_trials_csv(path: Path, outcome: Outcome) -> None:
     atomic_write_text(path, buf.getvalue())
 
 
+MAX_TIES_SHOWN = 5
 REPORT_FILES = ("summary.txt", "ds_config_optimal.json", "cmd_optimal.txt", "trials.csv", "session.json")
 
 
@@ -132,6 +133,10 @@ def write_reports(
     if best is not None:
         runs = 1 + len(best.repeats)
         lines.append(f"Optimum: {best.result.name}  {metric}={best.final_value:.6g} (+-{best.interval:.1%}, 95% interval, over {runs} measurement{'s' if runs > 1 else ''})")
+        if outcome.ties:  # the measurements cannot rank these against the optimum: the user may prefer one (less memory, a smaller stage)
+            lines.append("Within the measurement interval of it, so as good as far as these measurements tell: "
+                         + ", ".join(f"{m.result.name} {m.final_value:.6g} (+-{m.interval:.1%})" for m in outcome.ties[:MAX_TIES_SHOWN])
+                         + (f" and {len(outcome.ties) - MAX_TIES_SHOWN} more (trials.csv)" if len(outcome.ties) > MAX_TIES_SHOWN else ""))
     lines += [f"Note: {n}" for n in outcome.notes]
     failures = [m for m in outcome.measured if m.result.status != "ok"]
     if failures:
@@ -157,6 +162,7 @@ def write_reports(
         "metrics": session_metrics(outcome, metric, wall_time_s),
         "tags": {"status": status, "best_experiment": best.result.name if best else "", "metric": metric},
         "params": best_params(outcome),
+        "ties": [m.result.name for m in outcome.ties],
     }
     atomic_write_json(results_dir / "session.json", record)
     return record

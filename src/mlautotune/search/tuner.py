@@ -21,6 +21,7 @@ class Outcome:
     measured: List[Measured]  # in run order, re-measurements folded into their configuration
     experiments: int  # launches actually run in this session (reused results excluded)
     notes: List[str] = field(default_factory=list)
+    ties: List[Measured] = field(default_factory=list)  # configurations within the measurement interval of the best, best first
 
 
 class Tuner:
@@ -122,4 +123,6 @@ class Tuner:
     def outcome(self) -> Outcome:
         runs = self.ledger.order
         stage_best = {s: b for s in self.plan.stages if (b := self.strategy.best([m for m in runs if m.params["stage"] == s])) is not None}
-        return Outcome(self.best(), stage_best, list(runs), self.launched, list(self.notes))
+        best, st = self.best(), self.strategy
+        ties = sorted((m for m in runs if m.value is not None and m is not best and best is not None and st.tied(best, m)), key=lambda m: -st.score(m.final_value))
+        return Outcome(best, stage_best, list(runs), self.launched, list(self.notes), ties)
