@@ -99,18 +99,18 @@ class Strategy:
         tied.sort(key=lambda s: -len(stage_knob_combos(self.plan, s)))
         return tied + [s for s in by_value if s not in tied]
 
-    def looks_first(self, stages: List[int], runs: List[Measured], ledger: Ledger) -> List[int]:
-        """The stages in the order their lines are stepped. When the experiments left in the budget
-        (tuner_num_trials) are no more than the stages not yet run, those stages come first: one look
-        at every stage tells more than the last sizes of one line, and a budget that ends before a
-        stage was tried leaves a report with the stage missing."""
+    def unseen_on_a_tight_budget(self, stages: List[int], runs: List[Measured], ledger: Ledger) -> List[int]:
+        """The stages not yet run, when the experiments left in the budget (tuner_num_trials) are no more
+        than they are: each gets its first look before anything else, a disturbed measurement's repeat
+        and the lines included. One look at every stage tells more than the last sizes of one line,
+        and a budget that ends before a stage was tried leaves a report with the stage missing."""
         unseen = [s for s in stages if not any(m.params["stage"] == s for m in runs) and s not in {p["stage"] for p in self.pending_params}]
         left = self.s.num_trials - ledger.experiments - len(ledger.pending)
-        if unseen and left <= len(unseen):
-            self.note(f"tuner_num_trials={self.s.num_trials} would be spent before every stage had a look: "
-                      "the stages not yet run get their first look before any line goes on")
-            return unseen + [s for s in stages if s not in unseen]
-        return stages
+        if not unseen or left > len(unseen):
+            return []
+        self.note(f"tuner_num_trials={self.s.num_trials} would be spent before every stage had a look: "
+                  "the stages not yet run get their first look before anything else")
+        return unseen
 
     # ---- the next step ------------------------------------------------------------------------------
     def next(self, ledger: Ledger) -> Optional[Step]:
@@ -123,13 +123,17 @@ class Strategy:
         step = self.profiling.step(runs, taken)
         if step is not None or not any(m.ok for m in runs):
             return step
-        step = self.repeats.disturbed_step(runs)
-        if step is not None:
-            return step
         best = self.best(runs)
         target = self.score(best.final_value) * (1 + self.s.explore * self.margin(runs)) if best else 0.0
         stages = self.spread([s for s in self.plan.stages if self.profiling.feasible(s)])
-        for stage in self.looks_first(stages, runs, ledger):
+        for stage in self.unseen_on_a_tight_budget(stages, runs, ledger):
+            step = self.lines.step(stage, runs, taken, target)
+            if step is not None:
+                return step
+        step = self.repeats.disturbed_step(runs)
+        if step is not None:
+            return step
+        for stage in stages:
             step = self.lines.step(stage, runs, taken, target)
             if step is not None:
                 return step
