@@ -300,11 +300,15 @@ def test_secrets_user_logging_lock_and_the_mlflow_view(tmp_path):
     with mlflow_server(tmp_path, port) as server:
         uri = f"http://alice:TRACKPASS77@127.0.0.1:{port}"
         args = [f"config={config}", f"tracking.tracking_uri={uri}", f"script={USER_LOGGING}",
-                f"script_args={' '.join(TINY_MODEL)} --hf_token TOKEN77xyz", "launcher.num_gpus=2", "search.remeasure=0", *QUICK]
+                f"script_args={' '.join(TINY_MODEL)} --hf_token TOKEN77xyz --hold_until {tmp_path / 'go'}", "launcher.num_gpus=2",
+                "search.remeasure=0", *QUICK]
         first = cli(tmp_path, *args, script=None)
         launches = tmp_path / "autotuning_results" / "launches.log"
         wait_for(lambda: launches.exists() and launches.read_text().strip(), first)
-        code2, out2 = finish(cli(tmp_path, *args, script=None), 120)
+        try:
+            code2, out2 = finish(cli(tmp_path, *args, script=None), 120)  # the first session's experiment waits at the gate meanwhile
+        finally:
+            (tmp_path / "go").touch()
         assert code2 == 2 and f"pid {first.pid} on host {socket.gethostname()}" in out2 and "Traceback" not in out2, out2
         code, out = finish(first)
         assert code == 0, out
