@@ -12,6 +12,9 @@ asks its steps in order, each in its own module:
 4. knobs.py: joint refinement, the best (and tied) knobs' own micro-batch search.
 5. repeats.py: disturbed measurements first, then near-tied leaders, measured again.
 
+When the experiments left in tuner_num_trials are no more than the stages not yet run, those stages'
+first looks (step 2) come before everything after profiling: a small budget still tries every stage.
+
 What the steps share lives here: the score (higher is better whatever the metric), the incumbent,
 the interval of one measurement, near-ties, and the one global stop rule that gates every step: a
 candidate is measured only if its optimistic value beats the incumbent by more than `search.explore`
