@@ -905,3 +905,31 @@ def test_a_budget_that_would_end_before_every_stage_had_a_look_gives_the_looks_f
     out = tuner(make_plan(), land, tuner_type="gridsearch", num_trials=50)[0].tune()
     assert not any("before every stage had a look" in n for n in out.notes)
     assert [c["stage"] for c in land.calls[:5]] == [0] * 5
+
+
+class ScriptBroken(Landscape):
+    """The script raises at import: every experiment fails the same way, whatever its configuration."""
+
+    def __call__(self, exp):
+        self.calls.append(dict(exp.params))
+        return Result(exp.name, "failed", {}, "rank 0: ModuleNotFoundError: No module named 'x'\nexit code 1; last lines of stderr.log:\n...", 2.0, "", 1)
+
+
+def test_the_same_script_error_in_two_stages_ends_the_session_before_the_other_stages_are_launched():
+    """Without it, a four-stage session launched 8 experiments (2 sizes x 4 stages) that all raised the
+    same ModuleNotFoundError. Now the second stage's failure with the same error ends it, with a note
+    that names the error and how to start again."""
+    land = ScriptBroken()
+    out = tuner(make_plan(), land, tuner_type="gridsearch")[0].tune()
+    assert out.best is None and len(land.calls) == 3 and len({c["stage"] for c in land.calls}) == 2
+    assert any("ModuleNotFoundError" in n and "overwrite=true" in n for n in out.notes)
+    # different errors per stage may be the configurations': every stage is still tried
+    class StageErrors(ScriptBroken):
+        def __call__(self, exp):
+            r = super().__call__(exp)
+            r.reason = f"rank 0: RuntimeError: stage {exp.params['stage']} unsupported"
+            return r
+
+    land = StageErrors()
+    tuner(make_plan(), land, tuner_type="gridsearch")[0].tune()
+    assert {c["stage"] for c in land.calls} == {0, 1, 2, 3}

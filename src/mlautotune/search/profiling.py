@@ -45,6 +45,10 @@ class Profiling:
         if st.memory is None and any(m.ok for m in runs):
             return None  # runs without a parameter count (no memory model): micro-batches by doubling
         stages = st.plan.stages
+        if st.memory is None and (error := self.same_error_in_two_stages(runs)) is not None:
+            st.note(f"every experiment so far failed with the same error in {error[1]} stages, so it is the script or its arguments, "
+                    f"not a configuration: {error[0]}. Fix it, then run again with autotuning.overwrite=true (a resumed session would reuse these failures)")
+            return None
         if st.memory is None:  # the first stage's two sizes (another worker takes the second at once), then the
             order = dict.fromkeys([stages[0], stages[-1], *stages[1:-1]])  # others: a failure that is not an OOM may be passing
             for stage, mbs in [(stages[0], st.low), (stages[0], self._second_size()), *((s, m) for m in (st.low, self._second_size()) for s in order)]:
@@ -59,6 +63,22 @@ class Profiling:
         if (st.cap is not None and mbs > st.cap) or params_key(p) in taken:
             return None
         return Step(p, "profiling: a second memory point for the per-sample slope")
+
+    @staticmethod
+    def same_error_in_two_stages(runs: List[Measured]) -> Optional[Tuple[str, int]]:
+        """(the error, in how many stages) when nothing has run and every failure so far, in two stages
+        or more, is the same exception from the script (or the same early end): no configuration
+        change mends that, and on a cluster each launch costs a minute or more."""
+        if any(m.ok for m in runs):
+            return None
+        failed = [m for m in runs if m.result.status in ("failed", "incomplete")]
+        heads = {(m.result.reason or "").strip().splitlines()[0] if (m.result.reason or "").strip() else "" for m in failed}
+        head = heads.pop() if len(heads) == 1 else ""
+        stages = {m.params["stage"] for m in failed}
+        script_error = head.startswith("rank ") or any(m.result.status == "incomplete" for m in failed)  # not a bare exit code
+        if len(stages) < 2 or not script_error or len(failed) < len([m for m in runs if m.result.status != "oom"]):
+            return None
+        return head, len(stages)
 
     def _second_point(self, runs: List[Measured]) -> Tuple[Measured, int]:
         """The first run (the same for every worker: the lowest trial number) and the second size to measure."""
