@@ -933,3 +933,16 @@ def test_the_same_script_error_in_two_stages_ends_the_session_before_the_other_s
     land = StageErrors()
     tuner(make_plan(), land, tuner_type="gridsearch")[0].tune()
     assert {c["stage"] for c in land.calls} == {0, 1, 2, 3}
+
+    class MixedEnds(ScriptBroken):  # a bare exit code in one stage, an early end in another: not one error
+        def __call__(self, exp):
+            r = super().__call__(exp)
+            if exp.params["stage"] == 0:
+                r.reason = "exit code 1; last lines of stderr.log:\n..."
+            else:
+                r.status, r.reason = "incomplete", "the script ended before the measurement window"
+            return r
+
+    land = MixedEnds()
+    tuner(make_plan(), land, tuner_type="gridsearch")[0].tune()
+    assert {c["stage"] for c in land.calls} == {0, 1, 2, 3}

@@ -3,7 +3,8 @@
 The first stage at the smallest micro-batch, and if that runs out of memory, the stage that keeps
 the least per rank; then a second size of the stage that ran, for the per-sample slope. The memory
 model comes from the first successful run of any stage. A stage whose model states alone cannot fit,
-or that is predicted to OOM at the smallest micro-batch, is skipped with no experiment.
+or that is predicted to OOM at the smallest micro-batch, is skipped with no experiment. Before any run
+succeeds, the same exception from the script in two stages ends the session: no configuration mends it.
 """
 
 from typing import Any, Dict, List, Optional, Tuple
@@ -72,13 +73,13 @@ class Profiling:
         if any(m.ok for m in runs):
             return None
         failed = [m for m in runs if m.result.status in ("failed", "incomplete")]
-        heads = {(m.result.reason or "").strip().splitlines()[0] if (m.result.reason or "").strip() else "" for m in failed}
-        head = heads.pop() if len(heads) == 1 else ""
+        heads = {((m.result.reason or "").strip().splitlines() or [""])[0] for m in failed}
         stages = {m.params["stage"] for m in failed}
-        script_error = head.startswith("rank ") or any(m.result.status == "incomplete" for m in failed)  # not a bare exit code
-        if len(stages) < 2 or not script_error or len(failed) < len([m for m in runs if m.result.status != "oom"]):
-            return None
-        return head, len(stages)
+        if len(heads) != 1 or len(stages) < 2 or len(failed) < len([m for m in runs if m.result.status != "oom"]):
+            return None  # different errors (they may be the configurations'), or a timeout among them
+        head = heads.pop()
+        script_error = head.startswith("rank ") or failed[0].result.status == "incomplete"  # not a bare exit code
+        return (head, len(stages)) if head and script_error else None
 
     def _second_point(self, runs: List[Measured]) -> Tuple[Measured, int]:
         """The first run (the same for every worker: the lowest trial number) and the second size to measure."""
