@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from mlautotune.files import atomic_write_json, atomic_write_text
-from mlautotune.search import METRIC_KEYS, Measured, Outcome
+from mlautotune.search import METRIC_KEYS, Measured, Outcome, experiments_in
 
 PROVENANCE_KEY = "mlautotune"
 STATUSES = ("ok", "oom", "timeout", "failed", "incomplete")
@@ -127,9 +127,10 @@ def write_reports(
         "failed": "NO RESULT: no experiment succeeded, so there is no optimal configuration.\n\n",
     }[status]
     lines = [header + summary_table(outcome, stages), ""]
-    repeats = sum(len(m.repeats) for m in outcome.measured)
+    total = experiments_in(outcome.measured)
+    repeats = total - len(outcome.measured)
     of = f", {len(outcome.measured)} configurations and {repeats} re-measurement{'s' * (repeats != 1)}" if repeats else ""
-    lines.append(f"Tuning completed in {datetime.timedelta(seconds=round(wall_time_s, 3))}. Total number of experiments: {len(outcome.measured) + repeats}{of}.")
+    lines.append(f"Tuning completed in {datetime.timedelta(seconds=round(wall_time_s, 3))}. Total number of experiments: {total}{of}.")
     if best is not None:
         runs = 1 + len(best.repeats)
         lines.append(f"Optimum: {best.result.name}  {metric}={best.final_value:.6g} (+-{best.interval:.1%}, 95% interval, over {runs} measurement{'s' if runs > 1 else ''})")

@@ -12,9 +12,9 @@
 """
 
 from mlautotune.search.candidates import base_params, product
-from mlautotune.search.ledger import METRIC_KEYS, Measured
+from mlautotune.search.ledger import METRIC_KEYS, Measured, experiments_in
 from mlautotune.search.settings import SearchSettings
 from mlautotune.search.profiling import first_experiments
 from mlautotune.search.tuner import Outcome, Tuner
 
-__all__ = ["METRIC_KEYS", "Measured", "Outcome", "SearchSettings", "Tuner", "base_params", "first_experiments", "product"]
+__all__ = ["METRIC_KEYS", "Measured", "Outcome", "SearchSettings", "Tuner", "base_params", "experiments_in", "first_experiments", "product"]

@@ -89,6 +89,11 @@ class Fixed(BaseSampler):
         return self.params[param_name]
 
 
+def experiments_in(runs: List[Measured]) -> int:
+    """Launches behind these configurations: each one's first measurement and its re-measurements."""
+    return sum(1 + len(m.repeats) for m in runs)
+
+
 def trial_params(t: FrozenTrial) -> Dict[str, Any]:
     return dict(t.params or t.user_attrs.get("params") or {})
 
@@ -188,7 +193,12 @@ class Ledger:
     @property
     def experiments(self) -> int:
         """Experiments of this session so far, reused ones and re-measurements included."""
-        return sum(1 + len(m.repeats) for m in self.order)
+        return experiments_in(self.order)
+
+    @property
+    def spent(self) -> int:
+        """What counts against tuner_num_trials: the experiments so far and every worker's running trials."""
+        return self.experiments + len(self.pending)
 
     def taken(self) -> set:
         """Keys of every configuration measured or being measured by any worker."""

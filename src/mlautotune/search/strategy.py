@@ -107,8 +107,9 @@ class Strategy:
         than they are: each gets its first look before anything else, a disturbed measurement's repeat
         and the lines included. One look at every stage tells more than the last sizes of one line,
         and a budget that ends before a stage was tried leaves a report with the stage missing."""
-        unseen = [s for s in stages if not any(m.params["stage"] == s for m in runs) and s not in {p["stage"] for p in self.pending_params}]
-        left = self.s.num_trials - ledger.experiments - len(ledger.pending)
+        tried = {m.params["stage"] for m in runs} | {p["stage"] for p in self.pending_params}
+        unseen = [s for s in stages if s not in tried]
+        left = self.s.num_trials - ledger.spent
         if not unseen or left > len(unseen):
             return []
         self.note(f"tuner_num_trials={self.s.num_trials} would be spent before every stage had a look: "

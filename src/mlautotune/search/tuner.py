@@ -70,7 +70,7 @@ class Tuner:
             self._flush_notes()
             if step is None:
                 return None
-            if self.ledger.experiments + len(self.ledger.pending) >= self.s.num_trials:  # re-measurements and other workers' running trials count
+            if self.ledger.spent >= self.s.num_trials:  # re-measurements and other workers' running trials count
                 return "budget"
             trial = self.ledger.claim(step.params, step.repeat_of)
             if trial is not None:
@@ -124,5 +124,5 @@ class Tuner:
         runs = self.ledger.order
         stage_best = {s: b for s in self.plan.stages if (b := self.strategy.best([m for m in runs if m.params["stage"] == s])) is not None}
         best, st = self.best(), self.strategy
-        ties = sorted((m for m in runs if m.value is not None and m is not best and best is not None and st.tied(best, m)), key=lambda m: -st.score(m.final_value))
+        ties = sorted((m for m in runs if m.value is not None and m is not best and st.tied(best, m)), key=lambda m: -st.score(m.final_value)) if best else []
         return Outcome(best, stage_best, list(runs), self.launched, list(self.notes), ties)
