@@ -1,6 +1,7 @@
 """The experiment runner and the probe: pure helpers directly, then real 2-rank CPU DeepSpeed launches (e2e)."""
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -250,3 +251,26 @@ def test_a_stopped_or_killed_tuner_leaves_no_training_process(sig, tmp_path, lef
     while leftovers(str(tmp_path / "hung")) and time.time() < deadline:
         time.sleep(0.2)
     assert leftovers(str(tmp_path / "hung")) == []
+
+
+@pytest.mark.e2e
+def test_a_lock_left_by_a_rank_killed_while_loading_an_op_does_not_hang_the_next_experiment(tiny_experiment, tmp_path, leftovers, monkeypatch):
+    """Every rank takes torch's build lock for a moment when it loads a DeepSpeed op, even a built one.
+    A worker SIGKILLed in that moment left the lock behind, and every later experiment on the machine
+    waited on it until its timeout (seen in the workers test). The experiment's wait removes it once stale."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from mlautotune import ops
+
+    monkeypatch.setattr(ops, "STALE_LOCK_SWEEP_S", 1.0)
+    lock = Path(_get_build_directory("deepspeed_shm_comm", verbose=False)) / "lock"
+    lock.touch()
+    os.utime(lock, (time.time() - 3600, time.time() - 3600))  # older than the grace, and held by nobody
+    try:
+        result = run_experiment(tiny_experiment(timeout_s=120.0), tmp_path)
+    finally:
+        left = lock.exists()
+        lock.unlink(missing_ok=True)
+    assert result.status == "ok", result.reason
+    assert not left and "left by a DeepSpeed op build that was killed" in (Path(result.exp_dir) / "launches.log").read_text()
+    assert leftovers(result.exp_dir) == []

@@ -233,13 +233,16 @@ def _measured_everywhere(exp_dir: Path) -> bool:
     return True
 
 
-def _wait(proc: runner_process.Process, exp_dir: Path, timeout_s: float, graceful: bool) -> tuple:
-    """Wait for the experiment: (timed_out, measured). The group is always killed before returning."""
+def _wait(proc: runner_process.Process, exp_dir: Path, timeout_s: float, graceful: bool, ds_config: Dict[str, Any]) -> tuple:
+    """Wait for the experiment: (timed_out, measured). The group is always killed before returning.
+    Meanwhile, a lock left by a rank killed while it loaded an op (another worker's, or a timed-out
+    experiment's) is removed once stale: this experiment's ranks would wait on it until the timeout."""
     in_main = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGTERM) if in_main else None
     if in_main and previous == signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _raise_on_sigterm)  # so SIGTERM unwinds through the cleanup below
     deadline = time.monotonic() + timeout_s
+    sweep = time.monotonic() + ops.STALE_LOCK_SWEEP_S
     try:
         while time.monotonic() < deadline:
             try:
@@ -248,6 +251,9 @@ def _wait(proc: runner_process.Process, exp_dir: Path, timeout_s: float, gracefu
             except subprocess.TimeoutExpired:
                 if _measured_everywhere(exp_dir):
                     return False, True
+                if time.monotonic() > sweep:
+                    sweep = time.monotonic() + ops.STALE_LOCK_SWEEP_S
+                    ops.remove_stale_locks(ds_config, lambda text: _log_launch(exp_dir, text))
         return proc.poll() is None, False
     finally:
         _end_group(proc, graceful)  # also on KeyboardInterrupt/SIGTERM, which then propagate
@@ -325,11 +331,15 @@ def run_experiment(exp: Experiment, results_dir: Path) -> Result:
         result, port = _launch_once(exp, exp_dir, time.time(), preferred if attempt == 0 else None)
         if result.status != "failed" or port_is_free(port):
             break
-        clash = f"launch {attempt + 1} failed with master port {port} in use by another process; launching again on another port"
-        with open(exp_dir / "launches.log", "a") as f:
-            f.write(clash + "\n")
+        _log_launch(exp_dir, f"launch {attempt + 1} failed with master port {port} in use by another process; launching again on another port")
     atomic_write_json(exp_dir / "result.json", result.to_dict())
     return result
+
+
+def _log_launch(exp_dir: Path, text: str) -> None:
+    """A line in the experiment's launches.log: what happened to its launch beside the run itself."""
+    with open(exp_dir / "launches.log", "a") as f:
+        f.write(text + "\n")
 
 
 def _launch_once(exp: Experiment, exp_dir: Path, started: float, preferred: Optional[int]) -> tuple:
@@ -365,7 +375,7 @@ def _launch_once(exp: Experiment, exp_dir: Path, started: float, preferred: Opti
         proc = runner_process.start(cmd, str(exp_dir / "stdout.log"), str(exp_dir / "stderr.log"), {**os.environ, **exp.env},
                                     fork_ranks=exp.stop_after_window)
         budget = max(0.0, exp.timeout_s - (time.time() - started))
-        timed_out, measured = _wait(proc, exp_dir, budget, graceful=bool(exp.resources.hostfile))
+        timed_out, measured = _wait(proc, exp_dir, budget, graceful=bool(exp.resources.hostfile), ds_config=exp.ds_config)
     finally:
         tuner_lifeline().cut(token)  # ranks on other hosts end too
         release_shared_memory(port)  # what the ranks could not remove themselves (killed, failed)

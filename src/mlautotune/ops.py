@@ -26,6 +26,7 @@ OPTIMIZER_OPS = {
 }
 COMM_OP = "ShareMemCommBuilder"  # loaded by deepspeed.comm's torch backend at init (CPU accelerator)
 STALE_LOCK_GRACE_S = 120.0
+STALE_LOCK_SWEEP_S = 30.0  # how often a running experiment that has measured nothing yet looks for one
 
 
 def needed(ds_config: Optional[Dict[str, Any]]) -> List[str]:
@@ -135,6 +136,18 @@ def stale_locks(names: List[str], grace_s: float = STALE_LOCK_GRACE_S) -> List[s
     return found
 
 
+def remove_stale_locks(ds_config: Optional[Dict[str, Any]], say) -> None:
+    """Remove the stale locks of the ops this config loads. Every rank takes the lock for a moment
+    when it loads an op, even a built one: a rank killed in that moment (its worker SIGKILLed, an
+    experiment timed out) leaves it, and the ranks already waiting on it go on once it is gone."""
+    for lock in stale_locks(needed(ds_config)):
+        say(f"mlautotune: removing {lock}, left by a DeepSpeed op build that was killed (it would make every experiment wait forever)")
+        try:
+            os.unlink(lock)
+        except FileNotFoundError:
+            pass  # another worker removed it first
+
+
 def _held_open(path: str) -> bool:
     import psutil
 
@@ -166,9 +179,7 @@ def ensure_built(ds_config: Optional[Dict[str, Any]], say) -> float:
     A build that fails is reported and left to the experiments (which then fail with DeepSpeed's own error)."""
     import time
 
-    for lock in stale_locks(needed(ds_config)):
-        say(f"mlautotune: removing {lock}, left by a DeepSpeed op build that was killed (it would make every experiment wait forever)")
-        os.unlink(lock)
+    remove_stale_locks(ds_config, say)
     missing = unbuilt(needed(ds_config))
     if not missing:
         return 0.0
