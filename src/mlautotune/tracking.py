@@ -461,7 +461,9 @@ class TrackingObserver:
         number = self._running.pop(exp.name, measured.trial_number)
         params, metrics, tags = child_payload(exp.params, measured.result.to_dict(), self.memory_limit_bytes)
         self.tracker.child_finished(number, exp.name, params, metrics, tags, measured.result.exp_dir, mlflow_status(measured.result.status))
-        progress = {f"experiment_{self.metric}": measured.value} if measured.value is not None else {}
-        if best is not None and best.value is not None:
-            progress[f"best_{self.metric}"] = best.value
+        # best first: the MLflow UI lists a run's metrics in the order they were first logged, and
+        # the latest experiment's value at the top of the parent's list reads like the result
+        progress = {f"best_{self.metric}": best.value} if best is not None and best.value is not None else {}
+        if measured.value is not None:
+            progress[f"experiment_{self.metric}"] = measured.value
         self.tracker.log_parent(progress, step=number)
