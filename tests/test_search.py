@@ -414,6 +414,29 @@ def test_the_micro_batch_peak_below_the_edge_is_found():
     assert len(out.measured) <= 8  # profiling 2, the edge 1, then a bracketing search
 
 
+class CpuHost(Landscape):
+    """A CPU host: host memory fits any micro-batch up to the cap (1 MiB per sample), and throughput
+    peaks at 24 (caches), long before that."""
+
+    def throughput(self, params):
+        return 100 * math.exp(-0.5 * math.log(params["micro_batch"] / 24) ** 2) * (1.0 - 0.07 * params["stage"])
+
+
+def test_on_cpu_the_line_goes_up_at_most_8x_the_largest_run_at_a_time():
+    """Seen on the bundled workload with no memory limit set (11.8 GiB per rank): after profiling at 1
+    and 4, z0 ran micro-batch 879, its edge, for 165 s against 6-12 s for every other experiment, and
+    found a line that had peaked near 59. On a GPU the edge is probed first, as before."""
+    land = CpuHost(per_sample=2**20)
+    out = tuner(make_plan(stages=[0, 1]), land, tuner_type="gridsearch")[0].tune()
+    sizes = [m.params["micro_batch"] for m in out.measured]
+    assert all(m <= 8 * max(sizes[:i]) for i, m in enumerate(sizes) if i), sizes
+    # the old order (1, 4, 1024, 64, 256) ended at 64, 62% of the peak: the concave bound over 4..64 was
+    # drawn from 1 and 4; now 32 is measured before the line's fall beyond it
+    assert land.throughput(out.best.params) >= 0.95 * land.throughput({"stage": 0, "micro_batch": 24}), sizes
+    gpu = tuner(make_plan(stages=[0]), CpuHost(per_sample=2**20), tuner_type="gridsearch", device="cuda")[0].tune()
+    assert gpu.measured[2].params["micro_batch"] == 1024  # the cap: the memory edge is above it
+
+
 class MidPeakWithKnob(Landscape):
     """GPU-like: throughput peaks at micro-batch 12 with the edge at 24 (200 MiB/sample over 4 GiB),
     and a small reduce bucket is worth 10% in stage 1 only, at every micro-batch."""

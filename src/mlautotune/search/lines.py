@@ -1,9 +1,10 @@
 """Step 2, the micro-batch of each stage (default knobs), and the line search that steps 4 reuses.
 
 A line is a stage with fixed knobs along the micro-batch. The stage that leads by more than the
-noise brackets its own peak, memory edge first. Every other stage gets one look, placed by the line
-of the stage below it stretched to its own memory edge; that run scales the prior, and the stage
-goes on only where the scaled line can still win. The pure search along one line is microbatch.py.
+noise brackets its own peak, memory edge first (on a CPU host no probe goes above CPU_EDGE_STEP
+times the largest run so far). Every other stage gets one look, placed by the line of the stage
+below it stretched to its own memory edge; that run scales the prior, and the stage goes on only
+where the scaled line can still win. The pure search along one line is microbatch.py.
 """
 
 import math
@@ -14,6 +15,7 @@ from mlautotune.search.ledger import Measured
 from mlautotune.search.microbatch import Point, concave_bound, edge_probe, peak_probe, scaled_reference, sizes_between, stretched
 from mlautotune.search.step import Step
 
+CPU_EDGE_STEP = 8  # on a CPU host no probe goes above this many times the largest micro-batch run so far
 UNSEEN_STAGE = 10.0  # a stage not measured yet may be this much faster at the same micro-batch: every stage gets one look
 
 
@@ -100,6 +102,14 @@ class Lines:
         """The line's memory edge: the edge search's next size, or its largest run once that is known."""
         return edge if edge is not None else max((m for m, _ in own), default=None)
 
+    def _reach(self) -> Optional[int]:
+        """On a CPU host, the largest micro-batch a probe may try: CPU_EDGE_STEP times the largest run
+        so far. Host memory puts the edge hundreds of times above the sizes measured, a step there
+        takes as many times longer (minutes per experiment), and a CPU's throughput stops rising long
+        before it. The line is still priced up to its edge."""
+        largest = self.st.largest_run
+        return largest * CPU_EDGE_STEP if self.st.s.device == "cpu" and largest is not None else None
+
     def line_step(self, stage, knobs, own, ooms, reference, edge, taken, target, prior_ratio) -> Optional[Step]:
         """The line's next size by the peak search (microbatch.peak_probe), its edge search included."""
         st = self.st
@@ -109,7 +119,8 @@ class Lines:
         candidates = self._candidates(stage, high)
         taken_sizes = self._taken_sizes(stage, knobs, taken, candidates) | set(ooms)
         pending = {p["micro_batch"] for p in st.pending_params if p["stage"] == stage and knobs_of_params(p) == knobs}
-        mbs, bound = peak_probe(own, reference, candidates, taken_sizes, target, prior_ratio, high_probe=edge, rate=st.s.metric != "latency", pending=pending)
+        mbs, bound = peak_probe(own, reference, candidates, taken_sizes, target, prior_ratio, high_probe=edge, rate=st.s.metric != "latency",
+                                pending=pending, reach=self._reach())
         if mbs is None:
             return None
         return Step(with_knobs(st.plan, stage, mbs, knobs), f"z{stage}: micro-batch {mbs} may reach {bound:.4g}")

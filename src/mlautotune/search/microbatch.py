@@ -159,7 +159,7 @@ def stretched(points: Sequence[Point], edge: Optional[int], new_edge: Optional[i
 
 def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Sequence[int], taken: Set[int], target: float,
                prior_ratio: float = 1.0, high_probe: Optional[int] = None, rate: bool = True,
-               pending: Set[int] = frozenset()) -> Tuple[Optional[int], float]:
+               pending: Set[int] = frozenset(), reach: Optional[int] = None) -> Tuple[Optional[int], float]:
     """The next micro-batch to measure on this line and its optimistic value, or (None, best bound)
     when no unmeasured stretch can beat `target`.
 
@@ -169,7 +169,8 @@ def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Seq
     `high_probe` (the edge search's next size) or its top for the stretch above. `rate`: values
     are per-sample rates (throughput), so `linear_cap` applies too. `pending`: sizes being measured
     by other workers; they split stretches like measured sizes (so parallel probes spread out) but
-    carry no value, and a line with nothing measured yet waits for its pending first look."""
+    carry no value, and a line with nothing measured yet waits for its pending first look. `reach`:
+    the largest size to probe: stretches are still priced beyond it, and probed within it."""
 
     def _bound(points: Sequence[Point], m: int) -> float:
         """The own points' concave bound (and linear cap); outside their range, at most the line
@@ -187,7 +188,8 @@ def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Seq
     if not own and not pts:
         if pending:
             return None, math.inf
-        return (high_probe if high_probe in free else max(free)), math.inf
+        near = [m for m in free if reach is None or m <= reach] or [min(free)]
+        return (high_probe if high_probe in near else max(near)), math.inf
     sizes = sorted({m for m, _ in own} | set(pending))
     stretches: Dict[Tuple[int, int], List[int]] = {}
     for m in free:
@@ -201,6 +203,7 @@ def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Seq
         bound = max(_bound(pts, m) for m in ms)
         if bound <= best[1]:
             continue
+        ms = [m for m in ms if reach is None or m <= reach] or [min(ms)]
         if above == 0 and below == 0:
             pick = max(ms) if high_probe is None or high_probe not in ms else high_probe
             if pts:

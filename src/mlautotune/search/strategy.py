@@ -54,6 +54,7 @@ class Strategy:
         self.memory: Optional[MemoryModel] = None
         self.pending_params: List[Dict[str, Any]] = []  # configurations other workers are measuring
         self.pending_repeats: Dict[str, int] = {}  # re-measurements other workers are running, by configuration key
+        self.largest_run: Optional[int] = None  # the largest micro-batch that ran in any stage
         self.profiling, self.lines, self.knobs, self.repeats = Profiling(self), Lines(self), Knobs(self), Repeats(self)
 
     def note(self, text: str) -> None:
@@ -121,6 +122,7 @@ class Strategy:
         runs, taken = ledger.order, ledger.taken()
         self.pending_params = list(ledger.pending.values())
         self.pending_repeats = ledger.pending_repeats
+        self.largest_run = max((m.params["micro_batch"] for m in runs if m.ok), default=None)
         self.memory = self.memory_model(runs)
         if self.profiling.slope_pending(runs):
             return None  # another worker is measuring the second memory point: edges placed without it run out of memory
