@@ -181,6 +181,10 @@ def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Seq
             bound = min(bound, prior(points, m))  # outside its own range, the reference has measured
         return min(bound, linear_cap(own, m)) if rate else bound
 
+    def _within_reach(sizes: List[int]) -> List[int]:
+        """The sizes a probe may take: those up to `reach`, else the smallest."""
+        return [m for m in sizes if reach is None or m <= reach] or [min(sizes)]
+
     free = [m for m in candidates if m not in taken]
     if not free:
         return None, -math.inf
@@ -188,7 +192,7 @@ def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Seq
     if not own and not pts:
         if pending:
             return None, math.inf
-        near = [m for m in free if reach is None or m <= reach] or [min(free)]
+        near = _within_reach(free)
         return (high_probe if high_probe in near else max(near)), math.inf
     sizes = sorted({m for m, _ in own} | set(pending))
     stretches: Dict[Tuple[int, int], List[int]] = {}
@@ -203,7 +207,7 @@ def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Seq
         bound = max(_bound(pts, m) for m in ms)
         if bound <= best[1]:
             continue
-        ms = [m for m in ms if reach is None or m <= reach] or [min(ms)]
+        ms = _within_reach(ms)
         if above == 0 and below == 0:
             pick = max(ms) if high_probe is None or high_probe not in ms else high_probe
             if pts:
