@@ -969,3 +969,32 @@ def test_the_same_script_error_in_two_stages_ends_the_session_before_the_other_s
     land = MixedEnds()
     tuner(make_plan(), land, tuner_type="gridsearch")[0].tune()
     assert {c["stage"] for c in land.calls} == {0, 1, 2, 3}
+
+
+class ShortScript(Landscape):
+    """A script that trains too few steps: every window is closed by its end, short of the target."""
+
+    def __call__(self, exp: Experiment) -> Result:
+        r = super().__call__(exp)
+        if r.status == "ok":
+            r.metrics.update(window_cut_by_script=True, target_reached=False, last_measured_step=30)
+        return r
+
+
+def test_windows_cut_short_by_the_script_give_one_note_with_advice():
+    class Said:
+        notes = []
+
+        def note(self, text):
+            self.notes.append(text)
+
+    said = Said()
+    plan = make_plan(stages=[0])
+    s = SearchSettings(world_size=2, memory_limit_bytes=LIMIT, device="cpu")
+    out = Tuner(plan, s, optuna.create_study(direction="maximize"), make_experiment, ShortScript(), observers=[said]).tune()
+    advice = [n for n in out.notes if "ended after 30 optimizer steps" in n]
+    assert len(advice) == 1 and "more steps" in advice[0]
+    assert [n for n in said.notes if n in advice] == advice  # on the console once, though every experiment was cut short
+    assert sum(m.ok for m in out.measured) > 1
+    out = tuner(plan, Landscape())[0].tune()  # windows that ended at their target or budget: no advice
+    assert not [n for n in out.notes if "optimizer steps" in n]

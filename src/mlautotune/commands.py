@@ -15,7 +15,7 @@ from mlautotune.console import Console
 from mlautotune.errors import UserError
 from mlautotune.files import atomic_write_text, read_json
 from mlautotune.experiment import plain_command, prepare
-from mlautotune.measure import WINDOW_KEYS
+from mlautotune.measure import WINDOW_KEYS, cut_short_note
 from mlautotune.mlproject import KEYS
 from mlautotune.redact import redact, redact_args, redact_text
 from mlautotune.report import PROVENANCE_KEY, report_artifacts, session_metrics, write_reports
@@ -281,6 +281,8 @@ def experiment_command(cfg: DictConfig) -> None:
             print(f"{k}: {result.metrics[k]}")
     if result.reason:
         print(f"reason: {result.reason.strip()}")
+    if result.status == "ok" and (advice := cut_short_note(result.metrics)):
+        print(f"note: {advice}")
     print(f"wall time: {result.wall_time_s:.1f} s")
     print(f"folder: {result.exp_dir}")
     if result.status != "ok":

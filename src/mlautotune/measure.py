@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 # What metrics.json says about its measurement window (beyond throughput, latency, FLOPS_per_gpu), one list for
 # every reader: the console, the child runs.
 WINDOW_KEYS = ("interval_rel", "target_reached", "disturbed", "step_time_shift", "cpu_wait_share", "thread_wait_share",
-               "warmup_steps", "measured_steps", "measure_seconds", "threads_per_rank", "cores_pinned")
+               "warmup_steps", "measured_steps", "measure_seconds", "threads_per_rank", "cores_pinned", "window_cut_by_script")
 
 
 MIN_STEPS_FOR_AUTOCORRELATION = 10
@@ -143,6 +143,17 @@ def decide(times: Sequence[float], elapsed_s: float, min_steps: int, settings: D
     enough = len(measured) >= min_steps
     return Decision(stop=not adaptive or (enough and ((reached and not disturbed) or elapsed_s >= settings["budget_s"])),
                     warmup=w, interval_rel=max(rel, cost), target_reached=reached, disturbed=disturbed, shift=shift)
+
+
+def cut_short_note(metrics: Dict) -> Optional[str]:
+    """Advice when the script's own end closed a measurement window short of its target interval (and
+    of its budget): the figure stands on fewer steps than the window would have taken."""
+    if not metrics.get("window_cut_by_script") or metrics.get("target_reached"):
+        return None
+    return (f"the script ended after {metrics.get('last_measured_step')} optimizer steps, before the measurement window reached its "
+            "target interval (measure.target_interval) or its budget (measure.budget_s): those figures stand on fewer steps, with wider "
+            "intervals. Give the script more steps (its own argument, e.g. --steps or --max_steps): mlautotune ends every experiment "
+            "once it is measured, so the budget, not the script's length, bounds each experiment")
 
 
 def check_due(n: int, end: int, settings: Dict) -> bool:

@@ -203,10 +203,11 @@ class Probe:
         waits = {"cpu_wait_share": max(0.0, *(r["cpu_wait"] for r in ranks)), "thread_wait_share": max(0.0, *(r["thread_wait"] for r in ranks))}
         decision = measure.decide(steps, elapsed, self.end - self.start + 1, self.measure, waits["thread_wait_share"])
         if decision.stop or script_ended:
-            self.close_window(n, steps, ranks, decision, elapsed, waits)
+            self.close_window(n, steps, ranks, decision, elapsed, waits, cut=not decision.stop)
 
-    def close_window(self, n: int, steps: list, ranks: list, decision, elapsed: float, waits: dict) -> None:
-        """Write metrics.json on rank 0; end every rank, unless this is the final training (it goes on)."""
+    def close_window(self, n: int, steps: list, ranks: list, decision, elapsed: float, waits: dict, cut: bool = False) -> None:
+        """Write metrics.json on rank 0; end every rank, unless this is the final training (it goes on).
+        `cut`: the script's own end closed the window, before its target interval or budget."""
         from deepspeed import comm as dist
 
         from mlautotune.files import atomic_write_json
@@ -214,7 +215,7 @@ class Probe:
         self.mark("window_end")
         self.window = {"last": n, "first": self.start + decision.warmup}
         if self.rank == 0:
-            self.metrics = self.window_metrics(steps[decision.warmup:], ranks, decision, elapsed, waits)
+            self.metrics = {**self.window_metrics(steps[decision.warmup:], ranks, decision, elapsed, waits), "window_cut_by_script": cut}
             atomic_write_json(os.path.join(self.exp_dir, METRICS_FILE), self.metrics)
         self.mark("combined")
         self.write_rank_record("measured", step_times_ms=[t * 1000.0 for t in self.step_times(n)])  # this rank's own, for offline study

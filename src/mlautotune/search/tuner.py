@@ -7,6 +7,7 @@ from typing import Any, Callable, Dict, List, Optional
 import optuna
 
 from mlautotune.experiment import Experiment, Result
+from mlautotune.measure import cut_short_note
 from mlautotune.search.candidates import distributions
 from mlautotune.search.ledger import Ledger, Measured
 from mlautotune.search.settings import SearchSettings
@@ -100,7 +101,15 @@ class Tuner:
         if not had_model and self.strategy.memory is not None:
             self._notify("profiled", self.strategy.memory, [m])
         self._notify("experiment_finished", exp, m, self.best())
+        self._window_notes([m])
         return m
+
+    def _window_notes(self, runs: List[Measured]) -> None:
+        """What the measurements say about the script: a window its end cut short."""
+        for m in runs:
+            text = cut_short_note(m.result.metrics) if m.ok else None
+            if text:
+                self.note(text)
 
     def _flush_notes(self) -> None:
         for text in self.strategy.notes:
@@ -122,6 +131,7 @@ class Tuner:
 
     def outcome(self) -> Outcome:
         runs = self.ledger.order
+        self._window_notes(runs)
         stage_best = {s: b for s in self.plan.stages if (b := self.strategy.best([m for m in runs if m.params["stage"] == s])) is not None}
         best, st = self.best(), self.strategy
         ties = sorted((m for m in runs if m.value is not None and m is not best and st.tied(best, m)), key=lambda m: -st.score(m.final_value)) if best else []

@@ -75,7 +75,7 @@ def parse_args():
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--vocab_size", type=int, default=4096)
     p.add_argument("--untied", action="store_true", help="separate output head instead of tied embeddings")
-    p.add_argument("--steps", type=int, default=30, help="optimizer steps to train")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps to train (mlautotune ends an experiment once it is measured)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--per_device_train_batch_size", type=int, default=4)
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
