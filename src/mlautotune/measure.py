@@ -150,10 +150,10 @@ def cut_short_note(metrics: Dict) -> Optional[str]:
     of its budget): the figure stands on fewer steps than the window would have taken."""
     if not metrics.get("window_cut_by_script") or metrics.get("target_reached"):
         return None
-    return (f"the script ended after {metrics.get('last_measured_step')} optimizer steps, before the measurement window reached its "
-            "target interval (measure.target_interval) or its budget (measure.budget_s): those figures stand on fewer steps, with wider "
-            "intervals. Give the script more steps (its own argument, e.g. --steps or --max_steps): mlautotune ends every experiment "
-            "once it is measured, so the budget, not the script's length, bounds each experiment")
+    return ("the script ended before its measurement window reached the target interval (measure.target_interval) or the "
+            "budget (measure.budget_s), so those figures stand on fewer steps, with wider intervals (window_cut_by_script on the "
+            "experiment's child run). Give the script more steps (its own argument, e.g. --steps or --max_steps): mlautotune ends "
+            "every experiment once it is measured, so the budget, not the script's length, bounds each experiment")
 
 
 def check_due(n: int, end: int, settings: Dict) -> bool:
