@@ -1,10 +1,13 @@
 """Step 2, the micro-batch of each stage (default knobs), and the line search that steps 4 reuses.
 
-A line is a stage with fixed knobs along the micro-batch. The stage that leads by more than the
-noise brackets its own peak, memory edge first (on a CPU host no probe goes above CPU_EDGE_STEP
-times the largest run so far). Every other stage gets one look, placed by the line of the stage
-below it stretched to its own memory edge; that run scales the prior, and the stage goes on only
-where the scaled line can still win. The pure search along one line is microbatch.py.
+A line is a stage with fixed knobs along the micro-batch. Every stage but the first gets one look,
+placed by the line of the stage below it stretched to its own memory edge; that run scales the
+prior, and the stage goes on only where the scaled line can still win. The stage that leads by more
+than the noise searches its own line above its sizes, memory edge first (on a CPU host no probe goes
+above CPU_EDGE_STEP times the largest run so far); below them the line below still prices it, having
+measured the rise there. Only where that line fell well before its edge (PEAK_INSIDE: a peak that is
+not memory pressure, which need not move with the edge) does the leader bracket its peak on its own
+on both sides. The pure search along one line is microbatch.py.
 """
 
 import math
@@ -16,6 +19,7 @@ from mlautotune.search.microbatch import Point, concave_bound, edge_probe, peak_
 from mlautotune.search.step import Step
 
 CPU_EDGE_STEP = 8  # on a CPU host no probe goes above this many times the largest micro-batch run so far
+PEAK_INSIDE = 1.5  # a line that falls by more than the noise this many times past its best size peaked inside
 UNSEEN_STAGE = 10.0  # a stage not measured yet may be this much faster at the same micro-batch: every stage gets one look
 
 
@@ -78,12 +82,24 @@ class Lines:
         knobs = base_knobs(self.st.plan, stage)
         own, ooms, _ = self.line(runs, stage, knobs)
         edge = self.edge(own, ooms, stage)
-        # the stage that leads by more than the noise gets a search of its own; the others are
-        # priced by the line below them
-        reference, ref_edge = ([], None) if self._leads(runs, stage, target) else self.reference(runs, stage)
-        if not reference and self.st.plan.micro_batch.mode == "list":
+        # the stage that leads by more than the noise gets a search of its own above its sizes; below
+        # them, and everywhere for the others, the line below prices it
+        leads = self._leads(runs, stage, target)
+        reference, ref_edge = self.reference(runs, stage)
+        if leads and self._peaks_inside(reference, self.st.margin(runs)):
+            reference, ref_edge = [], None  # where the leader's peak lies, only its own search tells
+        if (leads or not reference) and self.st.plan.micro_batch.mode == "list":
             target = -math.inf  # sizes the user listed are all measured in the stage searched on its own
-        return self.line_step(stage, knobs, own, ooms, stretched(reference, ref_edge, self.line_edge(own, edge)), edge, taken, target, UNSEEN_STAGE)
+        return self.line_step(stage, knobs, own, ooms, stretched(reference, ref_edge, self.line_edge(own, edge)), edge, taken, target, UNSEEN_STAGE,
+                              reference_above=not leads)
+
+    @staticmethod
+    def _peaks_inside(line: List[Point], margin: float) -> bool:
+        """The line falls, by more than the noise, at PEAK_INSIDE times its best size or beyond."""
+        if not line:
+            return False
+        peak, best = max(line, key=lambda p: p[1])
+        return any(m >= PEAK_INSIDE * peak and v * (1 + margin) < best for m, v in line)
 
     def _leads(self, runs: List[Measured], stage: int, target: float) -> bool:
         """The stage's default-knob line holds the incumbent, and no other stage's best is within the
@@ -110,7 +126,7 @@ class Lines:
         largest = self.st.largest_run
         return largest * CPU_EDGE_STEP if self.st.s.device == "cpu" and largest is not None else None
 
-    def line_step(self, stage, knobs, own, ooms, reference, edge, taken, target, prior_ratio) -> Optional[Step]:
+    def line_step(self, stage, knobs, own, ooms, reference, edge, taken, target, prior_ratio, reference_above=True) -> Optional[Step]:
         """The line's next size by the peak search (microbatch.peak_probe), its edge search included."""
         st = self.st
         high = max([m for m, _ in own] + [edge or 0, st.low] + (list(st.plan.micro_batch.values) if st.plan.micro_batch.mode != "min" else []))
@@ -120,7 +136,7 @@ class Lines:
         taken_sizes = self._taken_sizes(stage, knobs, taken, candidates) | set(ooms)
         pending = {p["micro_batch"] for p in st.pending_params if p["stage"] == stage and knobs_of_params(p) == knobs}
         mbs, bound = peak_probe(own, reference, candidates, taken_sizes, target, prior_ratio, high_probe=edge, rate=st.s.metric != "latency",
-                                pending=pending, reach=self._reach())
+                                pending=pending, reach=self._reach(), reference_above=reference_above)
         if mbs is None:
             return None
         return Step(with_knobs(st.plan, stage, mbs, knobs), f"z{stage}: micro-batch {mbs} may reach {bound:.4g}")

@@ -159,25 +159,27 @@ def stretched(points: Sequence[Point], edge: Optional[int], new_edge: Optional[i
 
 def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Sequence[int], taken: Set[int], target: float,
                prior_ratio: float = 1.0, high_probe: Optional[int] = None, rate: bool = True,
-               pending: Set[int] = frozenset(), reach: Optional[int] = None) -> Tuple[Optional[int], float]:
+               pending: Set[int] = frozenset(), reach: Optional[int] = None, reference_above: bool = True) -> Tuple[Optional[int], float]:
     """The next micro-batch to measure on this line and its optimistic value, or (None, best bound)
     when no unmeasured stretch can beat `target`.
 
     Stretches lie between this line's measured sizes. Each is priced by the highest optimistic value
     of its candidates (own points plus the scaled reference), and the best-priced one is probed: at
-    its log-midpoint, at half the smallest size for the stretch below everything measured, and at
-    `high_probe` (the edge search's next size) or its top for the stretch above. `rate`: values
-    are per-sample rates (throughput), so `linear_cap` applies too. `pending`: sizes being measured
-    by other workers; they split stretches like measured sizes (so parallel probes spread out) but
-    carry no value, and a line with nothing measured yet waits for its pending first look. `reach`:
-    the largest size to probe: stretches are still priced beyond it, and probed within it."""
+    its log-midpoint; for the stretch below everything measured, where the reference puts it highest
+    if the reference has sizes there, else at half the smallest size; and at `high_probe` (the edge
+    search's next size) or its top for the stretch above. `rate`: values are per-sample rates
+    (throughput), so `linear_cap` applies too. `pending`: sizes being measured by other workers; they
+    split stretches like measured sizes (so parallel probes spread out) but carry no value, and a
+    line with nothing measured yet waits for its pending first look. `reach`: the largest size to
+    probe: stretches are still priced beyond it, and probed within it. `reference_above=False`: the
+    reference prices the line below its own sizes only, and above them its own points alone do."""
 
     def _bound(points: Sequence[Point], m: int) -> float:
         """The own points' concave bound (and linear cap); outside their range, at most the line
         through own and reference points too."""
         bound = concave_bound(own, m)
         inside = bool(own) and min(s for s, _ in own) < m < max(s for s, _ in own)
-        if not inside and len(points) > len(own):
+        if not inside and len(points) > len(own) and (reference_above or not own or m < lowest):
             bound = min(bound, prior(points, m))  # outside its own range, the reference has measured
         return min(bound, linear_cap(own, m)) if rate else bound
 
@@ -189,6 +191,7 @@ def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Seq
     if not free:
         return None, -math.inf
     pts = list(own) + scaled_reference(own, reference, prior_ratio)
+    lowest = min((m for m, _ in own), default=0)
     if not own and not pts:
         if pending:
             return None, math.inf
@@ -214,6 +217,8 @@ def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Seq
                 pick = max(ms, key=lambda m: (_bound(pts, m), m))
         elif above == 0:
             pick = high_probe if high_probe in ms else max(ms)
+        elif below == 0 and any(m < lowest for m, _ in pts):  # the reference has sizes below this line's
+            pick = max(ms, key=lambda m: (_bound(pts, m), m))
         elif below == 0:
             pick = min(ms, key=lambda m: (abs(math.log(m / (above / 2))), -m))
         else:
