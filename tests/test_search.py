@@ -883,6 +883,16 @@ def test_below_a_lines_sizes_the_probe_goes_where_the_stage_below_peaked():
     assert size == 12 and bound == pytest.approx(110.0)  # the old probe: 8
 
 
+def test_between_two_sizes_that_bound_nothing_the_stage_below_prices_the_stretch():
+    """With several workers a line often has micro-batch 1 (the parallel profiling wave) and its look
+    (16) and nothing between: no pair of points on either side, so only the linear cap bounded that
+    stretch (15 x the first) and it was probed. The stage below has measured there."""
+    from mlautotune.search.microbatch import peak_probe
+
+    reference = [(1, 10.0), (4, 40.0), (8, 70.0), (16, 80.0)]
+    assert peak_probe([(1, 10.0), (16, 80.0)], reference, list(range(1, 17)), {1, 16}, 80.0) == (None, 70.0)  # old: (4, 150.0)
+
+
 def test_pending_sizes_split_the_micro_batch_stretches():
     """A size another worker is measuring bounds a stretch like a measured one: the next probe goes
     between the measured and the pending size, not next to the pending one."""

@@ -7,7 +7,8 @@ is taken to be concave (rising with diminishing returns, then falling), so beyon
 it lies under the lines through neighbouring pairs; and it is never more than proportional to the
 micro-batch from the nearest smaller measured size (a larger batch never makes a step faster).
 Outside a line's own points, a reference line (the stage's default knobs, or the stage below,
-stretched to this line's memory edge and scaled to its level) caps it too. A stretch whose
+stretched to this line's memory edge and scaled to its level) caps it too, and so do the reference's
+points between two of the line's sizes that bound nothing (no pair of points on either side). A stretch whose
 optimistic value cannot beat the target is never probed.
 """
 
@@ -121,14 +122,18 @@ def prior(points: Sequence[Point], m: int) -> float:
     return extended if extended < math.inf else interpolate(points, m)
 
 
+def reference_ratio(own: Sequence[Point], reference: Sequence[Point], prior_ratio: float) -> float:
+    """The largest ratio of this line's points to the reference there, else prior_ratio."""
+    ratios = [v / ref for m, v in own if (ref := interpolate(reference, m)) > 0]
+    return max(ratios) if ratios else prior_ratio
+
+
 def scaled_reference(own: Sequence[Point], reference: Sequence[Point], prior_ratio: float) -> List[Point]:
-    """The reference line's points scaled to this line (by the largest ratio of this line's points
-    to the reference there, else prior_ratio), where this line has no points: outside the range of
-    its own points once it has two."""
+    """The reference line's points scaled to this line (by `reference_ratio`), where this line has
+    no points: outside the range of its own points once it has two."""
     if not reference:
         return []
-    ratios = [v / ref for m, v in own if (ref := interpolate(reference, m)) > 0]
-    ratio = max(ratios) if ratios else prior_ratio
+    ratio = reference_ratio(own, reference, prior_ratio)
     if len(own) < 2:
         return [(m, v * ratio) for m, v in reference if m not in {pm for pm, _ in own}]
     lo, hi = min(m for m, _ in own), max(m for m, _ in own)
@@ -181,6 +186,10 @@ def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Seq
         inside = bool(own) and min(s for s, _ in own) < m < max(s for s, _ in own)
         if not inside and len(points) > len(own) and (reference_above or not own or m < lowest):
             bound = min(bound, prior(points, m))  # outside its own range, the reference has measured
+        elif inside and bound == math.inf and inner:  # between two own sizes that bound nothing: the reference there
+            below, above = max(s for s, _ in own if s < m), min(s for s, _ in own if s > m)
+            there = [v for rm, v in inner if below < rm < above]
+            bound = max(there) if there else bound
         return min(bound, linear_cap(own, m)) if rate else bound
 
     def _within_reach(sizes: List[int]) -> List[int]:
@@ -192,6 +201,8 @@ def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Seq
         return None, -math.inf
     pts = list(own) + scaled_reference(own, reference, prior_ratio)
     lowest = min((m for m, _ in own), default=0)
+    ratio = reference_ratio(own, reference, prior_ratio) if reference else 1.0
+    inner = [(m, v * ratio) for m, v in reference if own and lowest < m < max(s for s, _ in own)]
     if not own and not pts:
         if pending:
             return None, math.inf
