@@ -183,12 +183,12 @@ def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Seq
         """The own points' concave bound (and linear cap); outside their range, at most the line
         through own and reference points too."""
         bound = concave_bound(own, m)
-        inside = bool(own) and min(s for s, _ in own) < m < max(s for s, _ in own)
+        inside = bool(own) and lowest < m < highest
         if not inside and len(points) > len(own) and (reference_above or not own or m < lowest):
             bound = min(bound, prior(points, m))  # outside its own range, the reference has measured
         elif inside and bound == math.inf and inner:  # between two own sizes that bound nothing: the reference there
-            below, above = max(s for s, _ in own if s < m), min(s for s, _ in own if s > m)
-            there = [v for rm, v in inner if below < rm < above]
+            lo, hi = max(s for s, _ in own if s < m), min(s for s, _ in own if s > m)
+            there = [v for rm, v in inner if lo < rm < hi]
             bound = max(there) if there else bound
         return min(bound, linear_cap(own, m)) if rate else bound
 
@@ -200,9 +200,9 @@ def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Seq
     if not free:
         return None, -math.inf
     pts = list(own) + scaled_reference(own, reference, prior_ratio)
-    lowest = min((m for m, _ in own), default=0)
+    lowest, highest = min((m for m, _ in own), default=0), max((m for m, _ in own), default=0)
     ratio = reference_ratio(own, reference, prior_ratio) if reference else 1.0
-    inner = [(m, v * ratio) for m, v in reference if own and lowest < m < max(s for s, _ in own)]
+    inner = [(m, v * ratio) for m, v in reference if lowest < m < highest]
     if not own and not pts:
         if pending:
             return None, math.inf
