@@ -893,6 +893,22 @@ def test_between_two_sizes_that_bound_nothing_the_stage_below_prices_the_stretch
     assert peak_probe([(1, 10.0), (16, 80.0)], reference, list(range(1, 17)), {1, 16}, 80.0) == (None, 70.0)  # old: (4, 150.0)
 
 
+def test_the_stage_below_is_scaled_by_the_ratio_near_each_size_not_the_largest_anywhere():
+    """Recorded from the mid-peak landscape with 4 workers: z3 has micro-batch 1 (profiling) and 20
+    (its look); the stage below peaks at 12. At 1 z3 stands 1.14x above it, at 20 0.64x. Scaled by the
+    largest ratio the stretch was priced 1.14x the peak and searched with 6 experiments (666 against
+    an incumbent of 592); scaled by the ratio at the nearest point (20) it cannot beat the incumbent.
+    Knob lines of one stage keep the largest ratio (`by_size=False`)."""
+    from mlautotune.search.microbatch import peak_probe, reference_ratio
+
+    own, reference = [(1, 100.0), (20, 328.3)], [(1, 87.5), (11, 566.0), (12, 583.4), (13, 572.5), (20, 514.1)]
+    size, bound = peak_probe(own, reference, list(range(1, 21)), {1, 20}, 592.1, by_size=True)
+    assert size is None and bound == pytest.approx(583.4 * 328.3 / 514.1)
+    assert reference_ratio(own, reference, 1.0, at=3) == pytest.approx(100.0 / 87.5)  # nearer 1 than 20 on a log scale
+    assert peak_probe(own, reference, list(range(1, 21)), {1, 20}, 592.1)[1] == pytest.approx(583.4 * 100.0 / 87.5)
+    assert peak_probe(own, reference, list(range(1, 21)), {1, 20}, 300.0, by_size=True)[0] == 4  # a lower incumbent: probed
+
+
 def test_pending_sizes_split_the_micro_batch_stretches():
     """A size another worker is measuring bounds a stretch like a measured one: the next probe goes
     between the measured and the pending size, not next to the pending one."""

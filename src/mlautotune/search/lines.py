@@ -90,8 +90,12 @@ class Lines:
             reference, ref_edge = [], None  # where the leader's peak lies, only its own search tells
         if (leads or not reference) and self.st.plan.micro_batch.mode == "list":
             target = -math.inf  # sizes the user listed are all measured in the stage searched on its own
+        # the stage below is scaled at each size by this line's ratio to it at its nearest point
+        # (`by_size`): two stages' ratio moves along the micro-batch (costs per step, each one's memory
+        # pressure), so a ratio at micro-batch 1 (a profiling run) does not price the stretch around a
+        # peak at 12 when the line has a point at 20
         return self.line_step(stage, knobs, own, ooms, stretched(reference, ref_edge, self.line_edge(own, edge)), edge, taken, target, UNSEEN_STAGE,
-                              reference_above=not leads)
+                              reference_above=not leads, by_size=True)
 
     @staticmethod
     def _peaks_inside(line: List[Point], margin: float) -> bool:
@@ -126,7 +130,7 @@ class Lines:
         largest = self.st.largest_run
         return largest * CPU_EDGE_STEP if self.st.s.device == "cpu" and largest is not None else None
 
-    def line_step(self, stage, knobs, own, ooms, reference, edge, taken, target, prior_ratio, reference_above=True) -> Optional[Step]:
+    def line_step(self, stage, knobs, own, ooms, reference, edge, taken, target, prior_ratio, reference_above=True, by_size=False) -> Optional[Step]:
         """The line's next size by the peak search (microbatch.peak_probe), its edge search included."""
         st = self.st
         high = max([m for m, _ in own] + [edge or 0, st.low] + (list(st.plan.micro_batch.values) if st.plan.micro_batch.mode != "min" else []))
@@ -136,7 +140,7 @@ class Lines:
         taken_sizes = self._taken_sizes(stage, knobs, taken, candidates) | set(ooms)
         pending = {p["micro_batch"] for p in st.pending_params if p["stage"] == stage and knobs_of_params(p) == knobs}
         mbs, bound = peak_probe(own, reference, candidates, taken_sizes, target, prior_ratio, high_probe=edge, rate=st.s.metric != "latency",
-                                pending=pending, reach=self._reach(), reference_above=reference_above)
+                                pending=pending, reach=self._reach(), reference_above=reference_above, by_size=by_size)
         if mbs is None:
             return None
         return Step(with_knobs(st.plan, stage, mbs, knobs), f"z{stage}: micro-batch {mbs} may reach {bound:.4g}")

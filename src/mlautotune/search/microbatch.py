@@ -122,22 +122,27 @@ def prior(points: Sequence[Point], m: int) -> float:
     return extended if extended < math.inf else interpolate(points, m)
 
 
-def reference_ratio(own: Sequence[Point], reference: Sequence[Point], prior_ratio: float) -> float:
-    """The largest ratio of this line's points to the reference there, else prior_ratio."""
-    ratios = [v / ref for m, v in own if (ref := interpolate(reference, m)) > 0]
-    return max(ratios) if ratios else prior_ratio
+def reference_ratio(own: Sequence[Point], reference: Sequence[Point], prior_ratio: float, at: Optional[int] = None) -> float:
+    """This line's ratio to the reference, else prior_ratio: at its point nearest to micro-batch `at`
+    (on a log scale; the larger of two as near), or without `at` the largest at any of its points."""
+    ratios = [(m, v / ref) for m, v in own if (ref := interpolate(reference, m)) > 0]
+    if not ratios:
+        return prior_ratio
+    if at is None:
+        return max(r for _, r in ratios)
+    return min(ratios, key=lambda p: (abs(math.log(p[0] / at)), -p[1]))[1]
 
 
-def scaled_reference(own: Sequence[Point], reference: Sequence[Point], prior_ratio: float) -> List[Point]:
-    """The reference line's points scaled to this line (by `reference_ratio`), where this line has
-    no points: outside the range of its own points once it has two."""
+def scaled_reference(own: Sequence[Point], reference: Sequence[Point], prior_ratio: float, by_size: bool = False) -> List[Point]:
+    """The reference line's points scaled to this line (by `reference_ratio`, at each point's size if
+    `by_size`), where this line has no points: outside the range of its own points once it has two."""
     if not reference:
         return []
-    ratio = reference_ratio(own, reference, prior_ratio)
+    scaled = [(m, v * reference_ratio(own, reference, prior_ratio, m if by_size else None)) for m, v in reference]
     if len(own) < 2:
-        return [(m, v * ratio) for m, v in reference if m not in {pm for pm, _ in own}]
+        return [(m, v) for m, v in scaled if m not in {pm for pm, _ in own}]
     lo, hi = min(m for m, _ in own), max(m for m, _ in own)
-    return [(m, v * ratio) for m, v in reference if m < lo or m > hi]  # own points decide within their range
+    return [(m, v) for m, v in scaled if m < lo or m > hi]  # own points decide within their range
 
 
 def linear_cap(own: Sequence[Point], m: int) -> float:
@@ -164,7 +169,7 @@ def stretched(points: Sequence[Point], edge: Optional[int], new_edge: Optional[i
 
 def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Sequence[int], taken: Set[int], target: float,
                prior_ratio: float = 1.0, high_probe: Optional[int] = None, rate: bool = True,
-               pending: Set[int] = frozenset(), reach: Optional[int] = None, reference_above: bool = True) -> Tuple[Optional[int], float]:
+               pending: Set[int] = frozenset(), reach: Optional[int] = None, reference_above: bool = True, by_size: bool = False) -> Tuple[Optional[int], float]:
     """The next micro-batch to measure on this line and its optimistic value, or (None, best bound)
     when no unmeasured stretch can beat `target`.
 
@@ -177,7 +182,9 @@ def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Seq
     split stretches like measured sizes (so parallel probes spread out) but carry no value, and a
     line with nothing measured yet waits for its pending first look. `reach`: the largest size to
     probe: stretches are still priced beyond it, and probed within it. `reference_above=False`: the
-    reference prices the line below its own sizes only, and above them its own points alone do."""
+    reference prices the line below its own sizes only, and above them its own points alone do.
+    `by_size`: the reference is scaled at each size by the line's ratio to it at its nearest point,
+    not by the largest ratio at any of its points."""
 
     def _bound(points: Sequence[Point], m: int) -> float:
         """The own points' concave bound (and linear cap); outside their range, at most the line
@@ -199,10 +206,9 @@ def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Seq
     free = [m for m in candidates if m not in taken]
     if not free:
         return None, -math.inf
-    pts = list(own) + scaled_reference(own, reference, prior_ratio)
+    pts = list(own) + scaled_reference(own, reference, prior_ratio, by_size)
     lowest, highest = min((m for m, _ in own), default=0), max((m for m, _ in own), default=0)
-    ratio = reference_ratio(own, reference, prior_ratio) if reference else 1.0
-    inner = [(m, v * ratio) for m, v in reference if lowest < m < highest]
+    inner = [(m, v * reference_ratio(own, reference, prior_ratio, m if by_size else None)) for m, v in reference if lowest < m < highest]
     if not own and not pts:
         if pending:
             return None, math.inf
