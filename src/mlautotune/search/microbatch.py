@@ -7,9 +7,10 @@ is taken to be concave (rising with diminishing returns, then falling), so beyon
 it lies under the lines through neighbouring pairs; and it is never more than proportional to the
 micro-batch from the nearest smaller measured size (a larger batch never makes a step faster).
 Outside a line's own points, a reference line (the stage's default knobs, or the stage below,
-stretched to this line's memory edge and scaled to its level) caps it too, and so do the
-reference's points between two of the line's sizes that bound nothing (no pair of points on either
-side). A stretch whose optimistic value cannot beat the target is never probed.
+stretched to this line's memory edge and scaled to its level: the stage below at each size by the
+ratio at the line's nearest point) caps it too, and so do the reference's points between two of
+the line's sizes that bound nothing (no pair of points on either side). A stretch whose optimistic
+value cannot beat the target is never probed.
 """
 
 import math
