@@ -123,10 +123,12 @@ def prior(points: Sequence[Point], m: int) -> float:
     return extended if extended < math.inf else interpolate(points, m)
 
 
-def reference_ratio(own: Sequence[Point], reference: Sequence[Point], prior_ratio: float, at: Optional[int] = None) -> float:
-    """This line's ratio to the reference, else prior_ratio: at its point nearest to micro-batch `at`
-    (on a log scale; the larger of two as near), or without `at` the largest at any of its points."""
-    ratios = [(m, v / ref) for m, v in own if (ref := interpolate(reference, m)) > 0]
+def _ratios(own: Sequence[Point], reference: Sequence[Point]) -> List[Point]:
+    """(micro-batch, ratio) of this line's points to the reference there."""
+    return [(m, v / ref) for m, v in own if (ref := interpolate(reference, m)) > 0]
+
+
+def _ratio(ratios: Sequence[Point], prior_ratio: float, at: Optional[int]) -> float:
     if not ratios:
         return prior_ratio
     if at is None:
@@ -134,16 +136,32 @@ def reference_ratio(own: Sequence[Point], reference: Sequence[Point], prior_rati
     return min(ratios, key=lambda p: (abs(math.log(p[0] / at)), -p[1]))[1]
 
 
+def reference_ratio(own: Sequence[Point], reference: Sequence[Point], prior_ratio: float, at: Optional[int] = None) -> float:
+    """This line's ratio to the reference, else prior_ratio: at its point nearest to micro-batch `at`
+    (on a log scale; the larger of two as near), or without `at` the largest at any of its points."""
+    return _ratio(_ratios(own, reference), prior_ratio, at)
+
+
+def _scaled(own: Sequence[Point], reference: Sequence[Point], prior_ratio: float, by_size: bool) -> List[Point]:
+    """Every point of the reference scaled to this line by `reference_ratio` (at its size if `by_size`)."""
+    if not reference:
+        return []
+    ratios = _ratios(own, reference)
+    return [(m, v * _ratio(ratios, prior_ratio, m if by_size else None)) for m, v in reference]
+
+
+def _outside(own: Sequence[Point], points: Sequence[Point]) -> List[Point]:
+    """The points where this line has none: outside the range of its own points once it has two."""
+    if len(own) < 2:
+        return [(m, v) for m, v in points if m not in {pm for pm, _ in own}]
+    lo, hi = min(m for m, _ in own), max(m for m, _ in own)
+    return [(m, v) for m, v in points if m < lo or m > hi]  # own points decide within their range
+
+
 def scaled_reference(own: Sequence[Point], reference: Sequence[Point], prior_ratio: float, by_size: bool = False) -> List[Point]:
     """The reference line's points scaled to this line (by `reference_ratio`, at each point's size if
     `by_size`), where this line has no points: outside the range of its own points once it has two."""
-    if not reference:
-        return []
-    scaled = [(m, v * reference_ratio(own, reference, prior_ratio, m if by_size else None)) for m, v in reference]
-    if len(own) < 2:
-        return [(m, v) for m, v in scaled if m not in {pm for pm, _ in own}]
-    lo, hi = min(m for m, _ in own), max(m for m, _ in own)
-    return [(m, v) for m, v in scaled if m < lo or m > hi]  # own points decide within their range
+    return _outside(own, _scaled(own, reference, prior_ratio, by_size))
 
 
 def linear_cap(own: Sequence[Point], m: int) -> float:
@@ -207,9 +225,10 @@ def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Seq
     free = [m for m in candidates if m not in taken]
     if not free:
         return None, -math.inf
-    pts = list(own) + scaled_reference(own, reference, prior_ratio, by_size)
+    scaled = _scaled(own, reference, prior_ratio, by_size)
+    pts = list(own) + _outside(own, scaled)
     lowest, highest = min((m for m, _ in own), default=0), max((m for m, _ in own), default=0)
-    inner = [(m, v * reference_ratio(own, reference, prior_ratio, m if by_size else None)) for m, v in reference if lowest < m < highest]
+    inner = [(m, v) for m, v in scaled if lowest < m < highest]
     if not own and not pts:
         if pending:
             return None, math.inf
