@@ -627,6 +627,36 @@ def test_no_profile_case_the_memory_model_comes_from_the_first_stage_that_runs()
     assert out.best.value >= 0.99 * true_best
 
 
+SMALL_FIT = 388_000_000  # z2 holds 10 bytes per parameter: it fits 4 samples under the limit, z3 about 29
+
+
+class Stage2FitsFew(OnlyStage3Fits):
+    """z0 and z1 cannot hold the model; z2 fits micro-batch 4 at most and z3 fits 29, where it is
+    faster than z2 can be anywhere."""
+
+    def peak(self, stage, mbs):
+        return 0.25 * GiB + {0: 16, 1: 12, 2: 10, 3: 8}[stage] * SMALL_FIT + 30 * 2**20 * mbs
+
+    def __call__(self, exp):
+        result = Landscape.__call__(self, exp)
+        for k in ("num_params", "trainable_num_params"):
+            if k in result.metrics:
+                result.metrics[k] = SMALL_FIT
+        return result
+
+
+def test_a_stage_with_no_stage_below_that_ran_is_priced_by_the_stage_above():
+    """Seen in the replay (10b: z0 out of memory, z1 skipped): z2's line had no reference, so
+    after its look at its edge (4) it was searched down on its own, at 2 and then 3, every one
+    below what z3 had already measured at 4. z3's rise, stretched to z2's edge, prices it now."""
+    land = Stage2FitsFew()
+    out = tuner(make_plan(), land, tuner_type="gridsearch")[0].tune()
+    z2 = [c["micro_batch"] for c in land.calls if c["stage"] == 2]
+    assert land.calls[0]["stage"] == 0 and land.calls[1]["stage"] == 3  # z0 ran out of memory
+    assert out.best.params["stage"] == 3
+    assert z2 == [4], land.calls  # the old search: 4, 2, 3
+
+
 class Flat(Landscape):
     """A plateau: every stage within 0.5%, the peak at micro-batch 8 of an edge at 14."""
 

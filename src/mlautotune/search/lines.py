@@ -1,8 +1,8 @@
 """Step 2, the micro-batch of each stage (default knobs), and the line search that steps 4 reuses.
 
 A line is a stage with fixed knobs along the micro-batch. Every stage but the first gets one look,
-placed by the line of the stage below it stretched to its own memory edge; that run scales the
-prior, and the stage goes on only where the scaled line can still win. The stage that leads by more
+placed by the line of the stage below it (where none below ran, the stage above) stretched to its
+own memory edge; that run scales the prior, and the stage goes on only where the scaled line can still win. The stage that leads by more
 than the noise searches its own line above its sizes, memory edge first (on a CPU host no probe goes
 above CPU_EDGE_STEP times the largest run so far); below them the line below still prices it, having
 measured the rise there. Only where that line fell well before its edge (PEAK_INSIDE: a peak that is
@@ -48,17 +48,29 @@ class Lines:
         # gradient accumulation fills max_train_batch_size: each accumulation's largest size, and the line's top
         return [m for m in sizes if st.plan.fills_batch(m) or m == max(sizes)]
 
-    def reference(self, runs: List[Measured], stage: int) -> Tuple[List[Point], Optional[int]]:
+    def reference(self, runs: List[Measured], stage: int, above: bool = True) -> Tuple[List[Point], Optional[int]]:
         """The best line of the nearest lower stage that ran, completed where it has no points of
-        its own by the line below it, scaled; and its memory edge (nothing for the lowest stage)."""
+        its own by the line below it, scaled, if that makes two points or more; and its memory edge.
+        When no stage below ran (the
+        lowest stage, or those below it ran out of memory or were skipped), the best line of the
+        nearest stage above that ran (`above`): a stage that fits only a few samples (z2 of a model
+        that only z3 holds well) is priced by that line's rise, stretched to its own edge, and not
+        searched down to micro-batch 1 on its own."""
         for lower in sorted((s for s in self.st.plan.stages if s < stage), reverse=True):
             b = self.st.stage_best(runs, lower)
             if b is not None:
                 own = self.line(runs, lower, knobs_of_params(b.params))[0]
-                below, below_edge = self.reference(runs, lower)
+                below, below_edge = self.reference(runs, lower, above=False)
                 completion = scaled_reference(own, stretched(below, below_edge, self.stage_edge(lower, own)), 1.0)
                 # where the stage's own points bound its line (concave), the completion stays under them
-                return own + [(m, min(v, concave_bound(own, m))) for m, v in completion], self.stage_edge(lower, own)
+                line = own + [(m, min(v, concave_bound(own, m))) for m, v in completion]
+                if len(line) >= 2:  # one point has no shape: flat from it, it would cap a rising line at its level
+                    return line, self.stage_edge(lower, own)
+        for higher in sorted(s for s in self.st.plan.stages if s > stage) if above else []:
+            b = self.st.stage_best(runs, higher)
+            if b is not None:
+                own = self.line(runs, higher, knobs_of_params(b.params))[0]
+                return own, self.stage_edge(higher, own)
         return [], None
 
     def stage_edge(self, stage: int, own: List[Point]) -> Optional[int]:
