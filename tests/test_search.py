@@ -939,6 +939,24 @@ def test_the_stage_below_is_scaled_by_the_ratio_near_each_size_not_the_largest_a
     assert peak_probe(own, reference, list(range(1, 21)), {1, 20}, 300.0, by_size=True)[0] == 4  # a lower incumbent: probed
 
 
+def test_a_stage_line_scales_the_stage_below_by_its_ratio_at_each_size():
+    """The numbers of the test above, through `Lines.step`: the stage line passes `by_size`, so its
+    stretch between 1 and 20 is priced below the incumbent and not probed (the largest ratio: 666)."""
+    from mlautotune.search.candidates import params_key
+    from mlautotune.search.ledger import Measured
+    from mlautotune.search.strategy import Strategy
+
+    plan = make_plan(stages=[2, 3], mbs=MicroBatchRule("list", tuple(range(1, 21))))
+    st = Strategy(plan, SearchSettings(world_size=2, device="cuda"))
+    points = {2: [(1, 87.5), (11, 566.0), (12, 583.4), (13, 572.5), (20, 514.1)], 3: [(1, 100.0), (20, 328.3)]}
+    runs = [Measured({"stage": stage, "micro_batch": mbs, "gas": 1}, Result(f"z{stage}_{mbs}", "ok", {"throughput": v, "interval_rel": 0.02}, "", 10.0, "", 0),
+                     number, v) for number, (stage, mbs, v) in enumerate((s, m, v) for s in points for m, v in points[s])]
+    st.largest_run = 20
+    target = 583.4 * (1 + 0.5 * st.margin(runs))
+    assert st.lines.step(3, runs, {params_key(m.params) for m in runs}, target) is None  # without by_size: micro-batch 4 at 666
+    assert st.lines.step(3, runs, {params_key(m.params) for m in runs}, 300.0) is not None  # a lower incumbent: probed
+
+
 def test_pending_sizes_split_the_micro_batch_stretches():
     """A size another worker is measuring bounds a stretch like a measured one: the next probe goes
     between the measured and the pending size, not next to the pending one."""
