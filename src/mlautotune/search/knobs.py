@@ -1,6 +1,7 @@
 """Steps 3 and 4, the ZeRO knobs of a stage, then the best knobs' own micro-batch.
 
-3. At the stage's best micro-batch, the tuner chooses among the untried knob combinations
+3. At the stage's best micro-batch (`micro_batch`: of sizes tied within the noise, the largest below
+   a fall at the line's edge, else the middle), the tuner chooses among the untried knob combinations
    (model_based: the XGBoost cost model with feasibility), while their optimistic value can beat
    the incumbent: in the stage tied for the lead, a prior for knob values not seen yet; in a stage
    behind it, one look if its best is within KNOB_LOOK of the incumbent; then the cost model's
@@ -10,6 +11,8 @@
    too), with the default knobs' line as the prior, completed by the knob lines searched before.
 """
 
+import math
+import statistics
 from typing import Any, Dict, List, Optional, Tuple
 
 from mlautotune.samplers.cost_model import CostModel
@@ -37,7 +40,7 @@ class Knobs:
             return None
         base = base_knobs(st.plan, stage)
         base_line = [m for m in runs if m.params["stage"] == stage and knobs_of_params(m.params) == base and m.value is not None]
-        at = max(base_line, key=lambda m: st.score(m.final_value)).params["micro_batch"] if base_line else best.params["micro_batch"]
+        at = self.micro_batch(base_line) if base_line else best.params["micro_batch"]
         untried = [p for k in combos if params_key(p := with_knobs(st.plan, stage, at, k)) not in taken]
         if not untried:
             return None
@@ -55,6 +58,21 @@ class Knobs:
         history = [(m.params, m.final_value, m.result.status) for m in runs if m.result.status in ("ok", "oom")]
         choice = st.chooser.choose(untried, history, st.s.maximize, ledger.experiments)
         return Step(choice, f"z{stage}: knobs at micro-batch {at} ({st.chooser.last_choice})")
+
+    def micro_batch(self, base_line: List[Measured]) -> int:
+        """Where a stage's knobs are searched: the best size of its default-knob line. When other sizes
+        of the line tie with it within the noise, one draw does not decide between them: the largest
+        of the tied sizes if the line's next size above them is its top (a line that rose up to a fall
+        at its memory edge peaks just below the fall), else their middle on a log scale (a peak inside
+        the line lies amid the sizes that tie it)."""
+        st = self.st
+        top = max(base_line, key=lambda m: st.score(m.final_value))
+        tied = sorted(m.params["micro_batch"] for m in base_line if m is top or st.tied(top, m))
+        above = {m.params["micro_batch"] for m in base_line} - set(range(tied[-1] + 1))
+        if len(above) <= 1:
+            return tied[-1]
+        middle = statistics.fmean(math.log(m) for m in tied)
+        return min(tied, key=lambda m: (abs(math.log(m) - middle), -m))
 
     def _knobs_pending(self, stage: int, base: Dict[str, Any]) -> bool:
         """Another worker is measuring a knob combination of the stage."""
