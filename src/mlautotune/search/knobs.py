@@ -68,7 +68,7 @@ class Knobs:
         st = self.st
         top = max(base_line, key=lambda m: st.score(m.final_value))
         tied = sorted(m.params["micro_batch"] for m in base_line if m is top or st.tied(top, m))
-        above = {m.params["micro_batch"] for m in base_line} - set(range(tied[-1] + 1))
+        above = {m.params["micro_batch"] for m in base_line if m.params["micro_batch"] > tied[-1]}
         if len(above) <= 1:
             return tied[-1]
         middle = statistics.fmean(math.log(m) for m in tied)

@@ -2,8 +2,8 @@
 
 A line is a stage with fixed knobs along the micro-batch. Every stage but the first gets one look,
 placed by the line of the stage below it (where none below ran, the stage above) stretched to its
-own memory edge; that run scales the prior, and the stage goes on only where the scaled line can still win. The stage that leads by more
-than the noise searches its own line above its sizes, memory edge first (on a CPU host no probe goes
+own memory edge; that run scales the prior, and the stage goes on only where the scaled line can
+still win. The stage that leads by more than the noise searches its own line above its sizes, memory edge first (on a CPU host no probe goes
 above CPU_EDGE_STEP times the largest run so far); below them the line below still prices it, having
 measured the rise there. Only where that line fell well before its edge (PEAK_INSIDE: a peak that is
 not memory pressure, which need not move with the edge) does the leader bracket its peak on its own
@@ -51,11 +51,10 @@ class Lines:
     def reference(self, runs: List[Measured], stage: int, above: bool = True) -> Tuple[List[Point], Optional[int]]:
         """The best line of the nearest lower stage that ran, completed where it has no points of
         its own by the line below it, scaled, if that makes two points or more; and its memory edge.
-        When no stage below ran (the
-        lowest stage, or those below it ran out of memory or were skipped), the best line of the
-        nearest stage above that ran (`above`): a stage that fits only a few samples (z2 of a model
-        that only z3 holds well) is priced by that line's rise, stretched to its own edge, and not
-        searched down to micro-batch 1 on its own."""
+        When no stage below ran (the lowest stage, or those below it ran out of memory or were
+        skipped), the best line of the nearest stage above that ran (`above`): a stage that fits only
+        a few samples (z2 of a model that only z3 holds well) is priced by that line's rise,
+        stretched to its own edge, and not searched down to micro-batch 1 on its own."""
         for lower in sorted((s for s in self.st.plan.stages if s < stage), reverse=True):
             b = self.st.stage_best(runs, lower)
             if b is not None:
