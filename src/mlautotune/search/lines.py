@@ -3,11 +3,12 @@
 A line is a stage with fixed knobs along the micro-batch. Every stage but the first gets one look,
 placed by the line of the stage below it (where none below ran, the stage above) stretched to its
 own memory edge; that run scales the prior, and the stage goes on only where the scaled line can
-still win. The stage that leads by more than the noise searches its own line above its sizes, memory edge first (on a CPU host no probe goes
-above CPU_EDGE_STEP times the largest run so far); below them the line below still prices it, having
-measured the rise there. Only where that line fell well before its edge (PEAK_INSIDE: a peak that is
-not memory pressure, which need not move with the edge) does the leader bracket its peak on its own
-on both sides. The pure search along one line is microbatch.py.
+still win. The stage that leads by more than the noise searches its own line above its sizes,
+memory edge first (on a CPU host no probe goes above CPU_EDGE_STEP times the largest run so far);
+below them the line below still prices it, having measured the rise there. Only where that line
+fell well before its edge (PEAK_INSIDE: a peak that is not memory pressure, which need not move
+with the edge) does the leader bracket its peak on its own on both sides. The pure search along one
+line is microbatch.py.
 """
 
 import math
@@ -56,21 +57,25 @@ class Lines:
         a few samples (z2 of a model that only z3 holds well) is priced by that line's rise,
         stretched to its own edge, and not searched down to micro-batch 1 on its own."""
         for lower in sorted((s for s in self.st.plan.stages if s < stage), reverse=True):
-            b = self.st.stage_best(runs, lower)
-            if b is not None:
-                own = self.line(runs, lower, knobs_of_params(b.params))[0]
-                below, below_edge = self.reference(runs, lower, above=False)
-                completion = scaled_reference(own, stretched(below, below_edge, self.stage_edge(lower, own)), 1.0)
-                # where the stage's own points bound its line (concave), the completion stays under them
-                line = own + [(m, min(v, concave_bound(own, m))) for m, v in completion]
-                if len(line) >= 2:  # one point has no shape: flat from it, it would cap a rising line at its level
-                    return line, self.stage_edge(lower, own)
+            own = self._best_line(runs, lower)
+            if own is None:
+                continue
+            below, below_edge = self.reference(runs, lower, above=False)
+            completion = scaled_reference(own, stretched(below, below_edge, self.stage_edge(lower, own)), 1.0)
+            # where the stage's own points bound its line (concave), the completion stays under them
+            line = own + [(m, min(v, concave_bound(own, m))) for m, v in completion]
+            if len(line) >= 2:  # one point has no shape: flat from it, it would cap a rising line at its level
+                return line, self.stage_edge(lower, own)
         for higher in sorted(s for s in self.st.plan.stages if s > stage) if above else []:
-            b = self.st.stage_best(runs, higher)
-            if b is not None:
-                own = self.line(runs, higher, knobs_of_params(b.params))[0]
+            own = self._best_line(runs, higher)
+            if own is not None:
                 return own, self.stage_edge(higher, own)
         return [], None
+
+    def _best_line(self, runs: List[Measured], stage: int) -> Optional[List[Point]]:
+        """The measured points of the stage's line with its best run's knobs, None if it has no run."""
+        b = self.st.stage_best(runs, stage)
+        return self.line(runs, stage, knobs_of_params(b.params))[0] if b is not None else None
 
     def stage_edge(self, stage: int, own: List[Point]) -> Optional[int]:
         st = self.st

@@ -158,10 +158,10 @@ def _outside(own: Sequence[Point], points: Sequence[Point]) -> List[Point]:
     return [(m, v) for m, v in points if m < lo or m > hi]  # own points decide within their range
 
 
-def scaled_reference(own: Sequence[Point], reference: Sequence[Point], prior_ratio: float, by_size: bool = False) -> List[Point]:
-    """The reference line's points scaled to this line (by `reference_ratio`, at each point's size if
-    `by_size`), where this line has no points: outside the range of its own points once it has two."""
-    return _outside(own, _scaled(own, reference, prior_ratio, by_size))
+def scaled_reference(own: Sequence[Point], reference: Sequence[Point], prior_ratio: float) -> List[Point]:
+    """The reference line's points scaled to this line (by the largest `reference_ratio`), where this
+    line has no points: outside the range of its own points once it has two."""
+    return _outside(own, _scaled(own, reference, prior_ratio, by_size=False))
 
 
 def linear_cap(own: Sequence[Point], m: int) -> float:
