@@ -13,6 +13,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 import gpu_model  # noqa: E402
 import replay  # noqa: E402
+import resolution  # noqa: E402
 import tables  # noqa: E402
 from landscape import LandscapeRunner, interpolation, load, save  # noqa: E402
 
@@ -160,6 +161,24 @@ def test_a_point_recorded_several_times_is_scored_by_its_median_and_measured_as_
     ratios = {round(runner.measure(between)[1]["throughput"] / truth, 6) for _ in range(40)}
     assert ratios == {1.0, 0.8, 1.25}
     assert LandscapeRunner(land, seed=5).measure(eight["params"])[1]["throughput"] == eight["metrics"]["throughput"]  # recorded once
+
+
+def test_the_resolution_of_a_recorded_truth_is_how_often_its_best_stays_best_when_its_draws_are_resampled():
+    """resolution.py: a best whose draws all lie above a rival's stays best in every resample; two
+    points with the same draws are each best in about half of them, and a latency landscape's best is
+    its lowest median."""
+    def point(mbs, step_ms_draws, stage=1):
+        p = recorded_point(mbs, step_ms=step_ms_draws[0], peak=1, stage=stage)
+        return {**p, "draws": [{"status": "ok", "metrics": recorded_point(mbs, step_ms=t, peak=1)["metrics"], "wall_time_s": 1.0} for t in step_ms_draws]}
+
+    apart = {"name": "apart", "points": [point(4, [100, 101, 102, 103, 104]), point(4, [120, 121, 122, 123, 124], stage=2)]}
+    r = resolution.resolve(apart, resamples=300)
+    assert r["best"]["stage"] == 1 and r["best_wins"] == 1.0 and r["best_within_99"] == 1.0 and len(r["rivals"]) == 1
+    same = {"name": "same", "points": [point(4, [100, 90, 110, 95, 105]), point(4, [105, 95, 110, 90, 100], stage=2)]}
+    r = resolution.resolve(same, resamples=2000)
+    assert 0.35 < r["best_wins"] < 0.65 and len(r["rivals"]) == 2 and r["rivals"][1]["median_vs_best"] == 1.0
+    assert r["best_error"] > 0.02 and r["draws"] == 5
+    assert resolution.resolve({**apart, "metric": "latency"}, resamples=50)["best"]["stage"] == 1
 
 
 def recorded_point(mbs, status="ok", step_ms=None, peak=None, stage=1):
