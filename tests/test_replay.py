@@ -174,9 +174,10 @@ def test_the_resolution_of_a_recorded_truth_is_how_often_its_best_stays_best_whe
     apart = {"name": "apart", "points": [point(4, [100, 101, 102, 103, 104]), point(4, [120, 121, 122, 123, 124], stage=2)]}
     r = resolution.resolve(apart, resamples=300)
     assert r["best"]["stage"] == 1 and r["best_wins"] == 1.0 and r["best_within_99"] == 1.0 and len(r["rivals"]) == 1
-    same = {"name": "same", "points": [point(4, [100, 90, 110, 95, 105]), point(4, [105, 95, 110, 90, 100], stage=2)]}
-    r = resolution.resolve(same, resamples=2000)
-    assert 0.35 < r["best_wins"] < 0.65 and len(r["rivals"]) == 2 and r["rivals"][1]["median_vs_best"] == 1.0
+    alike = {"name": "alike", "points": [point(4, [100, 90, 110, 95, 105]), point(4, [104.99, 94.99, 109.99, 89.99, 99.99], stage=2)]}
+    r = resolution.resolve(alike, resamples=2000)  # stage 2's median is 0.01% the faster: neither is resolved
+    assert r["best"]["stage"] == 2 and 0.3 < r["best_wins"] < 0.7 and len(r["rivals"]) == 2 and r["rivals"][1]["wins"] > 0.3
+    assert r["rivals"][1]["median_vs_best"] == pytest.approx(0.9999, abs=1e-4)
     assert r["best_error"] > 0.02 and r["draws"] == 5
     assert resolution.resolve({**apart, "metric": "latency"}, resamples=50)["best"]["stage"] == 1
 
