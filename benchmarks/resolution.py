@@ -23,21 +23,24 @@ import random
 import statistics
 import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).parent))
-from landscape import load, noisy, ok_draws  # noqa: E402
+from landscape import load, ok_draws  # noqa: E402
 
 HERE = Path(__file__).parent
 RIVAL = 0.05
 
 
-def resolve(land: Dict[str, Any], resamples: int = 2000, seed: int = 0) -> Dict[str, Any]:
-    """The bootstrap figures of one recorded landscape (its points with two ok draws or more)."""
+def resolve(land: Dict[str, Any], resamples: int = 2000, seed: int = 0) -> Optional[Dict[str, Any]]:
+    """The bootstrap figures of one recorded landscape (its points with two ok draws or more); None
+    when no point has two (recorded once, or GPU-like: noise-free values and no draws)."""
     metric = land.get("metric", "throughput")
     sign = -1.0 if metric == "latency" else 1.0  # higher is better
     draws = {json.dumps(p["params"], sort_keys=True): [sign * d["metrics"][metric] for d in ok_draws(p)] for p in land["points"]}
     draws = {k: v for k, v in draws.items() if len(v) >= 2}
+    if not draws:
+        return None
     medians = {k: statistics.median(v) for k, v in draws.items()}
     best = max(medians, key=medians.get)
     rng = random.Random(seed)
@@ -84,10 +87,11 @@ def main():
     for path in args.landscapes:
         land = load(Path(path))
         land.setdefault("name", Path(path).stem)
-        if noisy(land) or not any(len(ok_draws(p)) >= 2 for p in land["points"]):
+        row = resolve(land, args.resamples)
+        if row is None:
             print(f"{land['name']}: noise-free or recorded once, nothing to resample")
-            continue
-        rows.append(resolve(land, args.resamples))
+        else:
+            rows.append(row)
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

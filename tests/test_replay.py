@@ -164,9 +164,9 @@ def test_a_point_recorded_several_times_is_scored_by_its_median_and_measured_as_
 
 
 def test_the_resolution_of_a_recorded_truth_is_how_often_its_best_stays_best_when_its_draws_are_resampled():
-    """resolution.py: a best whose draws all lie above a rival's stays best in every resample; two
-    points with the same draws are each best in about half of them, and a latency landscape's best is
-    its lowest median."""
+    """resolution.py: a best whose draws all lie above a rival's stays best in every resample; of two
+    points whose draws differ by 0.01 ms each, neither is resolved; a latency landscape's best is its
+    lowest median; a landscape with no point drawn twice has nothing to resample."""
     def point(mbs, step_ms_draws, stage=1):
         p = recorded_point(mbs, step_ms=step_ms_draws[0], peak=1, stage=stage)
         return {**p, "draws": [{"status": "ok", "metrics": recorded_point(mbs, step_ms=t, peak=1)["metrics"], "wall_time_s": 1.0} for t in step_ms_draws]}
@@ -180,6 +180,7 @@ def test_the_resolution_of_a_recorded_truth_is_how_often_its_best_stays_best_whe
     assert r["rivals"][1]["median_vs_best"] == pytest.approx(0.9999, abs=1e-4)
     assert r["best_error"] > 0.02 and r["draws"] == 5
     assert resolution.resolve({**apart, "metric": "latency"}, resamples=50)["best"]["stage"] == 1
+    assert resolution.resolve({"name": "once", "points": [recorded_point(4, step_ms=100, peak=1)]}) is None
 
 
 def recorded_point(mbs, status="ok", step_ms=None, peak=None, stage=1):
