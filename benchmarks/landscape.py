@@ -7,15 +7,16 @@ metric, the plan: stages, micro_batch rule, gas, knobs per stage, fast) and `poi
 
 Two kinds:
 - GPU-like (`"generator": "gpu_model"`, benchmarks/gpu_model.py): the header carries the model
-  and its noise. Every measurement, re-measurements included, is a fresh noisy draw (seeded by
-  the runner's seed); the noise-free values are `true_<metric>`. Points outside the stored grid
-  (another micro-batch or gas) come from the same model.
+  and its noise. Every measurement, re-measurements included, is a fresh noisy draw, seeded by
+  the runner's seed, the configuration and how often it was measured before (common random
+  numbers: the k-th measurement of a configuration draws the same noise whatever was measured
+  before it); the noise-free values are `true_<metric>`. Points outside the stored grid (another
+  micro-batch or gas) come from the same model.
 - recorded on CPU (benchmarks/record.py): no noise model. A point recorded once returns its
   value again at every re-measurement, and that value counts as the "true" one. A point recorded
   several times (`record.py --repeats N`) keeps every measurement in `draws`; its `metrics` are
-  their medians, the "true" values. Each measurement of it is then one of
-  its recorded draws, chosen by the runner's seeded generator: the machine's own noise, window
-  intervals, disturbed flags and an OOM near the memory edge included.
+  their medians, the "true" values. Each measurement of it is then one of its recorded draws,
+  chosen the same way: the machine's own noise, window intervals, disturbed flags and an OOM near the memory edge included.
   A micro-batch between recorded ones is interpolated (`interpolation`): step time, peak memory
   and wall time linear in the micro-batch between the two recorded neighbours with the same
   stage and knobs (extrapolated from the last two beyond the largest that ran), OOM at or above a
@@ -103,25 +104,34 @@ class LandscapeRunner:
     def __init__(self, landscape: Dict[str, Any], seed: int = 0):
         self.landscape = landscape
         self.truth = truth(landscape)
-        self.rng = random.Random(f"noise-{seed}")
+        self.seed = seed
+        self.times: Dict[str, int] = {}  # how often each configuration was measured
         self.log: List[Dict[str, Any]] = []  # one entry per measurement, in order
         self.wall_time_s = 0.0
         self.clock: Optional[float] = None  # simulated time the current measurement ends (parallel.py), if simulated
 
+    def noise(self, params: Dict[str, Any]) -> random.Random:
+        """The noise of this measurement: the k-th measurement of a configuration draws the same noise
+        in every replay with this seed, whatever was measured before it (common random numbers), so two
+        searches compared on one seed differ by what they chose, not by draws reshuffled."""
+        k = self.times[key(params)] = self.times.get(key(params), 0) + 1
+        return random.Random(f"noise-{self.seed}-{key(params)}-{k}")
+
     def measure(self, params: Dict[str, Any]) -> Answer:
         status, metrics, wall = self.truth(params)
+        rng = self.noise(params)
         if noisy(self.landscape) and status == "ok":
             import gpu_model
 
-            metrics = gpu_model.noisy(metrics, self.rng)
+            metrics = gpu_model.noisy(metrics, rng)
         elif status == "ok":
-            status, metrics = self.recorded_draw(params, metrics)
+            status, metrics = self.recorded_draw(params, metrics, rng)
         self.wall_time_s += wall
         self.log.append({"params": dict(params), "status": status, "value": self.true_value(params) if status == "ok" else None, "wall_time_s": wall,
                          **({} if self.clock is None else {"end_s": self.clock})})
         return status, metrics, wall
 
-    def recorded_draw(self, params: Dict[str, Any], metrics: Dict[str, Any]) -> Tuple[str, Dict[str, Any]]:
+    def recorded_draw(self, params: Dict[str, Any], metrics: Dict[str, Any], rng: random.Random) -> Tuple[str, Dict[str, Any]]:
         """One of the recorded draws of the point, an OOM near the memory edge included; between recorded
         sizes, an ok draw of the nearest recorded micro-batch with these knobs (and gas), as a ratio to
         that point's median."""
@@ -129,7 +139,7 @@ class LandscapeRunner:
         near = min(same, default=None, key=lambda p: (abs(math.log(p["params"]["micro_batch"] / params["micro_batch"])), p["params"]["micro_batch"]))
         if near is None or len(ok_draws(near)) < 2:
             return "ok", metrics  # recorded once: its value every time
-        draw = self.rng.choice(near["draws"] if near["params"] == params else ok_draws(near))
+        draw = rng.choice(near["draws"] if near["params"] == params else ok_draws(near))
         if draw["status"] != "ok":
             return draw["status"], draw["metrics"]
         draw = draw["metrics"]

@@ -125,6 +125,18 @@ def test_every_measurement_is_a_fresh_seeded_draw_within_3_percent(lands):
     assert len(runner.log) == 20 and runner.wall_time_s == pytest.approx(20 * runner.log[0]["wall_time_s"])
 
 
+def test_the_kth_measurement_of_a_configuration_draws_the_same_noise_whatever_was_measured_before_it(lands):
+    """Common random numbers: two searches compared on one seed differ by what they chose, not by
+    draws reshuffled because one of them measured something else first."""
+    land = lands[MIDPEAK]
+    a, b = stage_best(land, 2)["params"], stage_best(land, 3)["params"]
+    first, second = LandscapeRunner(land, seed=7), LandscapeRunner(land, seed=7)
+    one = [first.measure(p)[1]["throughput"] for p in (a, a, b)]
+    two = [second.measure(p)[1]["throughput"] for p in (b, a, a)]
+    assert one == [two[1], two[2], two[0]] and one[0] != one[1]
+    assert LandscapeRunner(land, seed=8).measure(a)[1]["throughput"] != one[0]  # another seed, other noise
+
+
 def test_a_point_recorded_once_returns_its_recorded_value_at_every_measurement():
     land = {"world_size": 2, "memory_limit_bytes": 2**40, "points": [recorded_point(4, step_ms=100, peak=1), recorded_point(8, step_ms=180, peak=1)]}
     runner = LandscapeRunner(land, seed=3)
