@@ -979,6 +979,44 @@ def test_the_knobs_are_searched_where_the_line_peaks_not_at_its_luckiest_draw():
     assert st.knobs.micro_batch(alone) == 8  # nothing tied with the best: the best
 
 
+def test_one_noisy_fall_beside_the_best_does_not_close_a_wide_stretch_above_it():
+    """Recorded on cpu_gpt-0.9M_fast (seed 13 of 20): z0 measured 1, 4, 2, then 3 one draw high
+    (0.895 of the landscape's best; its median 0.827) and 4 one draw low (0.827; median 0.848). The
+    line through 3 and 4 falls, so the concave bound closed everything above 4, and the search
+    declared micro-batch 3 while the line peaks at 12 (1.0): 17.3% short. Above a size that ties the
+    line's best within the noise, a stretch over twice as wide is measured whatever its bound; one
+    below the best's level (1 to 4 on a line whose best is 16) is not."""
+    from mlautotune.search.microbatch import peak_probe
+
+    own, sizes = [(1, 0.531), (2, 0.790), (3, 0.895), (4, 0.827)], list(range(1, 17))
+    target = 0.895 * 1.025
+    assert peak_probe(own, [], sizes, {1, 2, 3, 4}, target, high_probe=16)[0] is None  # the old search: closed
+    assert peak_probe(own, [], sizes, {1, 2, 3, 4}, target, high_probe=16, cover=2.0, noise=0.05)[0] == 16
+    own.append((16, 0.898))
+    assert peak_probe(own, [], sizes, {1, 2, 3, 4, 16}, 0.898 * 1.025)[0] is None
+    assert peak_probe(own, [], sizes, {1, 2, 3, 4, 16}, 0.898 * 1.025, cover=2.0, noise=0.05)[0] == 8
+    own.append((8, 0.965))  # 8 to 16 is no more than twice: the bounds decide again (11: the log-midpoint, 1.08)
+    assert peak_probe(own, [], sizes, {1, 2, 3, 4, 8, 16}, 0.965 * 1.025, cover=2.0, noise=0.05)[0] == 11
+    rising = [(1, 0.1), (4, 0.3), (16, 0.9)]  # 4 is far below the best: 1 to 4 and 4 to 16 stay priced by the bounds
+    assert peak_probe(rising, [], sizes, {1, 4, 16}, 0.95, cover=2.0, noise=0.05) == peak_probe(rising, [], sizes, {1, 4, 16}, 0.95)
+
+
+def test_the_leading_line_covers_wide_stretches_above_its_best_and_says_why():
+    """The recorded numbers above through `Lines.step` on a CPU host: the leading line probes above 4
+    (bisecting towards the OOM at 17), where the old search stopped."""
+    from mlautotune.search.candidates import params_key
+    from mlautotune.search.ledger import Measured
+    from mlautotune.search.strategy import Strategy
+
+    st = Strategy(make_plan(stages=[0]), SearchSettings(world_size=2, device="cpu"))
+    runs = [Measured({"stage": 0, "micro_batch": m, "gas": 1}, Result(f"z0_{m}", "ok", {"throughput": v, "interval_rel": 0.05}, "", 10.0, "", 0), n, v)
+            for n, (m, v) in enumerate([(1, 46.0), (2, 68.5), (3, 77.6), (4, 71.7)])]
+    runs.append(Measured({"stage": 0, "micro_batch": 17, "gas": 1}, Result("z0_17", "oom", {}, "", 10.0, "", 0), 4, None))
+    st.largest_run = 4
+    step = st.lines.step(0, runs, {params_key(m.params) for m in runs}, 77.6 * (1 + 0.5 * st.margin(runs)))
+    assert step is not None and 4 < step.params["micro_batch"] < 17 and "over 2x wide" in step.why
+
+
 def test_pending_sizes_split_the_micro_batch_stretches():
     """A size another worker is measuring bounds a stretch like a measured one: the next probe goes
     between the measured and the pending size, not next to the pending one."""

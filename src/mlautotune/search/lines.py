@@ -7,8 +7,10 @@ still win. The stage that leads by more than the noise searches its own line abo
 memory edge first (on a CPU host no probe goes above CPU_EDGE_STEP times the largest run so far);
 below them the line below still prices it, having measured the rise there. Only where that line
 fell well before its edge (PEAK_INSIDE: a peak that is not memory pressure, which need not move
-with the edge) does the leader bracket its peak on its own on both sides. The pure search along one
-line is microbatch.py.
+with the edge) does the leader bracket its peak on its own on both sides. Above a size that ties its
+best, the leader leaves no stretch over COVER times wide unmeasured: there the line's bound rests on
+the slope between two sizes near its top, which one noisy draw turns into a fall. The pure search
+along one line is microbatch.py.
 """
 
 import math
@@ -21,6 +23,7 @@ from mlautotune.search.step import Step
 
 CPU_EDGE_STEP = 8  # on a CPU host no probe goes above this many times the largest micro-batch run so far
 PEAK_INSIDE = 1.5  # a line that falls by more than the noise this many times past its best size peaked inside
+COVER = 2.0  # the leading line leaves no stretch wider than this ratio between its sizes unmeasured
 UNSEEN_STAGE = 10.0  # a stage not measured yet may be this much faster at the same micro-batch: every stage gets one look
 
 
@@ -111,7 +114,7 @@ class Lines:
         # pressure), so a ratio at micro-batch 1 (a profiling run) does not price the stretch around a
         # peak at 12 when the line has a point at 20
         return self.line_step(stage, knobs, own, ooms, stretched(reference, ref_edge, self.line_edge(own, edge)), edge, taken, target, UNSEEN_STAGE,
-                              reference_above=not leads, by_size=True)
+                              reference_above=not leads, by_size=True, cover=COVER if leads else None, noise=self.st.margin(runs))
 
     @staticmethod
     def _peaks_inside(line: List[Point], margin: float) -> bool:
@@ -146,7 +149,8 @@ class Lines:
         largest = self.st.largest_run
         return largest * CPU_EDGE_STEP if self.st.s.device == "cpu" and largest is not None else None
 
-    def line_step(self, stage, knobs, own, ooms, reference, edge, taken, target, prior_ratio, reference_above=True, by_size=False) -> Optional[Step]:
+    def line_step(self, stage, knobs, own, ooms, reference, edge, taken, target, prior_ratio, reference_above=True, by_size=False,
+                  cover=None, noise=0.0) -> Optional[Step]:
         """The line's next size by the peak search (microbatch.peak_probe), its edge search included."""
         st = self.st
         high = max([m for m, _ in own] + [edge or 0, st.low] + (list(st.plan.micro_batch.values) if st.plan.micro_batch.mode != "min" else []))
@@ -156,7 +160,9 @@ class Lines:
         taken_sizes = self._taken_sizes(stage, knobs, taken, candidates) | set(ooms)
         pending = {p["micro_batch"] for p in st.pending_params if p["stage"] == stage and knobs_of_params(p) == knobs}
         mbs, bound = peak_probe(own, reference, candidates, taken_sizes, target, prior_ratio, high_probe=edge, rate=st.s.metric != "latency",
-                                pending=pending, reach=self._reach(), reference_above=reference_above, by_size=by_size)
+                                pending=pending, reach=self._reach(), reference_above=reference_above, by_size=by_size, cover=cover,
+                                noise=noise)
         if mbs is None:
             return None
-        return Step(with_knobs(st.plan, stage, mbs, knobs), f"z{stage}: micro-batch {mbs} may reach {bound:.4g}")
+        why = f"may reach {bound:.4g}" if bound > target else f"in a stretch over {cover:g}x wide above a size that ties the line's best"
+        return Step(with_knobs(st.plan, stage, mbs, knobs), f"z{stage}: micro-batch {mbs} {why}")

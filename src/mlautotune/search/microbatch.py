@@ -188,7 +188,8 @@ def stretched(points: Sequence[Point], edge: Optional[int], new_edge: Optional[i
 
 def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Sequence[int], taken: Set[int], target: float,
                prior_ratio: float = 1.0, high_probe: Optional[int] = None, rate: bool = True,
-               pending: Set[int] = frozenset(), reach: Optional[int] = None, reference_above: bool = True, by_size: bool = False) -> Tuple[Optional[int], float]:
+               pending: Set[int] = frozenset(), reach: Optional[int] = None, reference_above: bool = True, by_size: bool = False,
+               cover: Optional[float] = None, noise: float = 0.0) -> Tuple[Optional[int], float]:
     """The next micro-batch to measure on this line and its optimistic value, or (None, best bound)
     when no unmeasured stretch can beat `target`.
 
@@ -203,7 +204,12 @@ def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Seq
     probe: stretches are still priced beyond it, and probed within it. `reference_above=False`: the
     reference prices the line below its own sizes only, and above them its own points alone do.
     `by_size`: the reference is scaled at each size by the line's ratio to it at its nearest point,
-    not by the largest ratio at any of its points."""
+    not by the largest ratio at any of its points. `cover`: a stretch whose ends lie more than this
+    ratio apart (the stretch above: its top), above a size that ties the line's best (within two
+    intervals of one measurement, `noise`), is probed whatever its bound, widest first. Its bound
+    extends the line from the pair of sizes below, and near the top that pair's slope is mostly
+    noise: one draw low (or high) closes the whole stretch, and a measured throughput curve need not
+    be concave there (on CPU it can rise again after a flat stretch)."""
 
     def _bound(points: Sequence[Point], m: int) -> float:
         """The own points' concave bound (and linear cap); outside their range, at most the line
@@ -241,12 +247,19 @@ def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Seq
         above = min((s for s in sizes if s > m), default=0)
         stretches.setdefault((below, above), []).append(m)
     best: Tuple[Optional[int], float] = (None, -math.inf)
+    widest = 0.0
+    values = dict(own)
+    top = max(values.values(), default=math.inf)
     for (below, above), ms in sorted(stretches.items()):
         if below and above and above / below < MIN_STRETCH:
             continue  # a size between two this close is within about 1% of one of them near a peak
         bound = max(_bound(pts, m) for m in ms)
-        if bound <= best[1]:
+        width = (above or max(_within_reach(ms))) / below if below else 0.0
+        wide = cover is not None and values.get(below, -math.inf) * (1 + 2 * noise) >= top and width > max(cover, widest)
+        if bound <= best[1] and not wide or widest and not wide:
             continue
+        if wide:
+            widest = width
         ms = _within_reach(ms)
         if above == 0 and below == 0:
             pick = max(ms) if high_probe is None or high_probe not in ms else high_probe
@@ -262,6 +275,8 @@ def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Seq
             mid = math.sqrt(below * above)
             pick = min(ms, key=lambda m: (abs(math.log(m / mid)), -m))
         best = (pick, bound)
+    if widest:
+        return best
     if best[0] is None or best[1] <= target:
         return None, best[1]
     return best
