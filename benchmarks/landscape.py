@@ -99,7 +99,8 @@ def truth(landscape: Dict[str, Any]) -> Callable[[Dict[str, Any]], Answer]:
 
 class LandscapeRunner:
     """Runs experiments on a landscape: `measure(params)` returns (status, metrics, wall time) and
-    logs the call; `true_value(params)` is the noise-free metric (None unless ok)."""
+    logs the call (its true value and the value the search saw); `true_value(params)` is the
+    noise-free metric (None unless ok)."""
 
     def __init__(self, landscape: Dict[str, Any], seed: int = 0):
         self.landscape = landscape
@@ -127,7 +128,8 @@ class LandscapeRunner:
         elif status == "ok":
             status, metrics = self.recorded_draw(params, metrics, rng)
         self.wall_time_s += wall
-        self.log.append({"params": dict(params), "status": status, "value": self.true_value(params) if status == "ok" else None, "wall_time_s": wall,
+        self.log.append({"params": dict(params), "status": status, "value": self.true_value(params) if status == "ok" else None,
+                         "observed": metrics.get("throughput") if status == "ok" else None, "wall_time_s": wall,
                          **({} if self.clock is None else {"end_s": self.clock})})
         return status, metrics, wall
 

@@ -1,7 +1,7 @@
 """Replay benchmark: the product's search, with only its runner swapped for a landscape lookup,
 and a model of DeepSpeed's own autotuner (ds_baseline.py), against landscapes.
 
-    python benchmarks/replay.py [LANDSCAPE.json ...] [--seeds 5] [--workers 1,2,4] [--explore X] [--json OUT.json]
+    python benchmarks/replay.py [LANDSCAPE.json ...] [--seeds 5] [--workers 1,2,4] [--explore X] [--json OUT.json] [--trace]
 
 Without landscapes, every file in benchmarks/landscapes/. The product runs with its own defaults
 (conf/: remeasure 1, tuner_early_stopping 5, tuner_num_trials 50, ...), once per tuner type
@@ -117,6 +117,20 @@ def score(runs: List[Dict[str, Any]], grid_best: float) -> List[Dict[str, Any]]:
     return records
 
 
+def trace(run: Dict[str, Any], best: float) -> str:
+    """One replayed search, an experiment a line: what ran, what the search saw and the truth, both
+    as fractions of the landscape's best; then the declared optimum's truth."""
+    def frac(v):
+        return "-" if v is None else f"{v / best:.3f}"
+
+    lines = [f"# {run['landscape']} {run['strategy']} seed {run['seed']} workers {run['workers']}"]
+    for i, e in enumerate(run["log"], 1):
+        params = " ".join(f"{k}={v}" for k, v in e["params"].items())
+        lines.append(f"{i:3d} {e['status']:4s} seen {frac(e.get('observed'))} true {frac(e['value'])}  {params}")
+    lines.append(f"declared: true {frac(run['found'])}")
+    return "\n".join(lines)
+
+
 def grid_best(land: Dict[str, Any]) -> float:
     ok = [p["metrics"] for p in land["points"] if p["status"] == "ok"]
     return max(m.get("true_throughput", m["throughput"]) for m in ok)
@@ -131,6 +145,7 @@ def main():
     ap.add_argument("--explore", type=float, help="the product's search.explore (default: conf's); the baseline ignores it")
     ap.add_argument("--workers", default="1", help="comma-separated worker counts, e.g. 1,2,4 (simulated wall-clock time; "
                     "the deepspeed baseline is sequential and runs with 1 only)")
+    ap.add_argument("--trace", action="store_true", help="print every replayed experiment: params, the value the search saw, the true value")
     args = ap.parse_args()
     counts = [int(n) for n in args.workers.split(",")]
     records = []
@@ -143,6 +158,8 @@ def main():
                     runner, found = replay(land, strategy, seed, workers, args.explore)
                     runs.append({"landscape": land["name"], "strategy": strategy, "seed": seed, "workers": workers, "log": runner.log,
                                  "found": runner.true_value(found)})
+                    if args.trace:
+                        print(trace(runs[-1], grid_best(land)), flush=True)
         records += score(runs, grid_best(land))
         print(tables.landscape_table(records, land["name"]), flush=True)
         if not noisy(land):

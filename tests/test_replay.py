@@ -134,7 +134,18 @@ def test_the_kth_measurement_of_a_configuration_draws_the_same_noise_whatever_wa
     one = [first.measure(p)[1]["throughput"] for p in (a, a, b)]
     two = [second.measure(p)[1]["throughput"] for p in (b, a, a)]
     assert one == [two[1], two[2], two[0]] and one[0] != one[1]
+    assert [e["observed"] for e in first.log] == one  # the log holds what the search saw beside the truth
     assert LandscapeRunner(land, seed=8).measure(a)[1]["throughput"] != one[0]  # another seed, other noise
+
+
+def test_the_trace_shows_each_experiment_with_what_the_search_saw_and_the_truth():
+    run = {"landscape": "land", "strategy": "model_based", "seed": 3, "workers": 2, "found": 90.0,
+           "log": [{"params": {"stage": 0, "micro_batch": 4}, "status": "ok", "value": 90.0, "observed": 99.0},
+                   {"params": {"stage": 0, "micro_batch": 32}, "status": "oom", "value": None, "observed": None}]}
+    lines = replay.trace(run, 100.0).splitlines()
+    assert lines[0] == "# land model_based seed 3 workers 2"
+    assert "seen 0.990 true 0.900" in lines[1] and "micro_batch=4" in lines[1]
+    assert "oom" in lines[2] and "seen - true -" in lines[2] and lines[3] == "declared: true 0.900"
 
 
 def test_a_point_recorded_once_returns_its_recorded_value_at_every_measurement():
