@@ -16,7 +16,8 @@ Two kinds:
   value again at every re-measurement, and that value counts as the "true" one. A point recorded
   several times (`record.py --repeats N`) keeps every measurement in `draws`; its `metrics` are
   their medians, the "true" values. Each measurement of it is then one of its recorded draws,
-  chosen the same way: the machine's own noise, window intervals, disturbed flags and an OOM near the memory edge included.
+  chosen the same way: the machine's own noise, window intervals, disturbed flags and an OOM near
+  the memory edge included.
   A micro-batch between recorded ones is interpolated (`interpolation`): step time, peak memory
   and wall time linear in the micro-batch between the two recorded neighbours with the same
   stage and knobs (extrapolated from the last two beyond the largest that ran), OOM at or above a

@@ -256,8 +256,8 @@ def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Seq
         bound = max(_bound(pts, m) for m in ms)
         width = (above or max(_within_reach(ms))) / below if below else 0.0
         wide = cover is not None and values.get(below, -math.inf) * (1 + 2 * noise) >= top and width > max(cover, widest)
-        if bound <= best[1] and not wide or widest and not wide:
-            continue
+        if not wide and (widest or bound <= best[1]):
+            continue  # once a wide stretch is found, only a wider one replaces it
         if wide:
             widest = width
         ms = _within_reach(ms)
