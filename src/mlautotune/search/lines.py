@@ -23,7 +23,7 @@ from mlautotune.search.step import Step
 
 CPU_EDGE_STEP = 8  # on a CPU host no probe goes above this many times the largest micro-batch run so far
 PEAK_INSIDE = 1.5  # a line that falls by more than the noise this many times past its best size peaked inside
-COVER = 2.0  # the leading line leaves no stretch wider than this ratio between its sizes unmeasured
+COVER = 2.0  # above a size that ties its best, the leading line leaves no stretch wider than this ratio unmeasured
 UNSEEN_STAGE = 10.0  # a stage not measured yet may be this much faster at the same micro-batch: every stage gets one look
 
 
