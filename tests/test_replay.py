@@ -211,6 +211,20 @@ def recorded_point(mbs, status="ok", step_ms=None, peak=None, stage=1):
     return {"params": {"stage": stage, "micro_batch": mbs, "gas": 1}, "status": status, "metrics": metrics, "wall_time_s": 20.0 + mbs}
 
 
+def test_the_contenders_measured_again_are_the_points_within_a_fraction_of_the_best_median():
+    import record
+
+    def point(mbs, value, status="ok"):
+        return {"params": {"stage": 0, "micro_batch": mbs}, "status": status, "metrics": {"throughput": value, "latency": 1000.0 / value},
+                "draws": [{"status": status, "metrics": {"throughput": value}}]}
+
+    land = {"metric": "throughput", "points": [point(1, 50.0), point(2, 91.0), point(4, 100.0), point(8, 89.9), point(16, 1.0, "oom")]}
+    assert [p["params"]["micro_batch"] for p in record.contenders(land, 0.1)] == [2, 4]
+    assert [p["params"]["micro_batch"] for p in record.contenders(land, 0.0)] == [4]
+    land["metric"] = "latency"  # lower is better: within 10% above the lowest latency (10 ms)
+    assert [p["params"]["micro_batch"] for p in record.contenders(land, 0.1)] == [2, 4]
+
+
 def test_recorded_landscapes_interpolate_between_recorded_micro_batches():
     MiB = 2**20
     land = {"world_size": 2, "memory_limit_bytes": 1000 * MiB, "points": [
