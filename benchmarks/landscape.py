@@ -111,6 +111,7 @@ class LandscapeRunner:
         self.log: List[Dict[str, Any]] = []  # one entry per measurement, in order
         self.wall_time_s = 0.0
         self.clock: Optional[float] = None  # simulated time the current measurement ends (parallel.py), if simulated
+        self.why: Optional[str] = None  # why the search chose the current measurement (parallel.py), if known
 
     def noise(self, params: Dict[str, Any]) -> random.Random:
         """The noise of this measurement: the k-th measurement of a configuration draws the same noise
@@ -131,7 +132,7 @@ class LandscapeRunner:
         self.wall_time_s += wall
         self.log.append({"params": dict(params), "status": status, "value": self.true_value(params) if status == "ok" else None,
                          "observed": metrics.get("throughput") if status == "ok" else None, "wall_time_s": wall,
-                         **({} if self.clock is None else {"end_s": self.clock})})
+                         **({} if self.clock is None else {"end_s": self.clock}), **({} if self.why is None else {"why": self.why})})
         return status, metrics, wall
 
     def recorded_draw(self, params: Dict[str, Any], metrics: Dict[str, Any], rng: random.Random) -> Tuple[str, Dict[str, Any]]:

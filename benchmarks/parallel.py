@@ -41,7 +41,7 @@ def simulate(make_tuner: Callable[[Any], Any], storage: Any, workers: int, runne
         if not in_flight:
             break
         clock, _, w, trial, step = heapq.heappop(in_flight)
-        runner.clock = clock
+        runner.clock, runner.why = clock, step.why
         tuners[w].run(trial, step)
         idle = [i for i in range(workers) if i not in stopped and not any(f[2] == i for f in in_flight)]
     tuners[0].ledger.refresh()

@@ -126,7 +126,8 @@ def trace(run: Dict[str, Any], best: float) -> str:
     lines = [f"# {run['landscape']} {run['strategy']} seed {run['seed']} workers {run['workers']}"]
     for i, e in enumerate(run["log"], 1):
         params = " ".join(f"{k}={v}" for k, v in e["params"].items())
-        lines.append(f"{i:3d} {e['status']:4s} seen {frac(e.get('observed'))} true {frac(e['value'])}  {params}")
+        lines.append(f"{i:3d} {e['status']:4s} seen {frac(e.get('observed'))} true {frac(e['value'])}  {params}"
+                     + (f"  ({e['why']})" if e.get("why") else ""))
     lines.append(f"declared: true {frac(run['found'])}")
     return "\n".join(lines)
 

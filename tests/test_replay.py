@@ -140,11 +140,11 @@ def test_the_kth_measurement_of_a_configuration_draws_the_same_noise_whatever_wa
 
 def test_the_trace_shows_each_experiment_with_what_the_search_saw_and_the_truth():
     run = {"landscape": "land", "strategy": "model_based", "seed": 3, "workers": 2, "found": 90.0,
-           "log": [{"params": {"stage": 0, "micro_batch": 4}, "status": "ok", "value": 90.0, "observed": 99.0},
+           "log": [{"params": {"stage": 0, "micro_batch": 4}, "status": "ok", "value": 90.0, "observed": 99.0, "why": "z0: micro-batch 4 may reach 120"},
                    {"params": {"stage": 0, "micro_batch": 32}, "status": "oom", "value": None, "observed": None}]}
     lines = replay.trace(run, 100.0).splitlines()
     assert lines[0] == "# land model_based seed 3 workers 2"
-    assert "seen 0.990 true 0.900" in lines[1] and "micro_batch=4" in lines[1]
+    assert "seen 0.990 true 0.900" in lines[1] and "micro_batch=4" in lines[1] and lines[1].endswith("(z0: micro-batch 4 may reach 120)")
     assert "oom" in lines[2] and "seen - true -" in lines[2] and lines[3] == "declared: true 0.900"
 
 
@@ -316,6 +316,7 @@ def test_simulated_workers_run_the_real_tuner_concurrently_in_simulated_time(lan
     assert most == 4  # four in flight at once, never more
     first = [json.dumps(e["params"], sort_keys=True) for e in runner.log[:4]]
     assert len(set(first)) == 4  # the first four are four different experiments, started together
+    assert all(e["why"] for e in runner.log)  # each with the search's reason for it (replay.py --trace prints it)
     rec = replay.score([{"landscape": "L", "strategy": "model_based", "seed": 0, "workers": 4, "log": runner.log, "found": 1.0}], 1.0)[0]
     assert rec["workers"] == 4 and rec["wall_hours"] * 3600 == pytest.approx(ends[-1])
     assert ends[-1] < sum(e["wall_time_s"] for e in runner.log) / 2
