@@ -153,7 +153,7 @@ def record(args: argparse.Namespace, micro_batches: list, scratch: Path) -> None
                 point["draws"].append(run(point["params"]))
                 settle(point)
                 save(args.out, land)
-    if args.contenders:
+    if args.contenders is not None:
         land["contenders"] = {"within": args.contenders, "repeats": args.contender_repeats}
         while (short := [p for p in contenders(land, args.contenders) if len(p["draws"]) < args.contender_repeats]):
             for point in short:  # one pass: each contender once, so a slow spell spreads over all of them

@@ -1,6 +1,7 @@
 """benchmarks/record.py: a landscape recorded from real 2-rank CPU DeepSpeed runs, then replayed."""
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +55,15 @@ def test_record_runs_the_grid_stops_a_stage_at_its_oom_and_resumes(tmp_path):
         if draws:  # the first draw is the first pass's measurement; the point's value is their median
             assert draws[0] == got[p["params"]["micro_batch"]]["metrics"]["throughput"]
             assert p["metrics"]["throughput"] == pytest.approx(sum(draws) / 2)
+
+    # --contenders 0: only the point with the best median is measured again, up to --contender-repeats draws.
+    third = subprocess.run(cmd[:3] + ["--repeats", "2", "--contenders", "0", "--contender-repeats", "3"] + cmd[3:], capture_output=True, text=True,
+                           timeout=600)
+    assert third.returncode == 0 and "(1 run now" in third.stdout, third.stderr[-2000:]
+    land = load(out)
+    ok = [p for p in land["points"] if p["status"] == "ok"]
+    best = max(ok, key=lambda p: statistics.median(d["metrics"]["throughput"] for d in p["draws"] if d["status"] == "ok"))
+    assert [len(p["draws"]) for p in ok] == [3 if p is best else 2 for p in ok] and land["contenders"] == {"within": 0.0, "repeats": 3}
 
     # The product search replayed on it: micro-batches between the recorded ones are interpolated,
     # and an interpolated point is ok exactly when its peak fits the limit.
