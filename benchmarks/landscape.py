@@ -78,6 +78,12 @@ def knobs_of(params: Dict[str, Any]) -> Dict[str, Any]:
     return {k: v for k, v in params.items() if k != "micro_batch"}
 
 
+def signed_metric(landscape: Dict[str, Any]) -> Tuple[str, float]:
+    """The landscape's metric, and the sign that makes higher better (latency: -1)."""
+    metric = landscape.get("metric", "throughput")
+    return metric, -1.0 if metric == "latency" else 1.0
+
+
 def noisy(landscape: Dict[str, Any]) -> bool:
     return landscape.get("generator") == "gpu_model"
 

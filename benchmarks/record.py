@@ -38,7 +38,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 
 sys.path.insert(0, str(Path(__file__).parent))
-from landscape import key, load, save, settle  # noqa: E402
+from landscape import key, load, save, settle, signed_metric  # noqa: E402
 from mlautotune.experiment import prepare  # noqa: E402
 from mlautotune.config import register_configs  # noqa: E402
 from mlautotune.search import base_params, product  # noqa: E402
@@ -57,8 +57,7 @@ def grid(plan, stage: int, mbs: int):
 
 def contenders(land: dict, within: float) -> list:
     """The ok points whose median is within `within` of the best median (the metric's direction)."""
-    metric = land.get("metric", "throughput")
-    sign = -1.0 if metric == "latency" else 1.0
+    metric, sign = signed_metric(land)
     ok = [p for p in land["points"] if p["status"] == "ok" and "draws" in p]
     if not ok:
         return []
@@ -129,6 +128,11 @@ def record(args: argparse.Namespace, micro_batches: list, scratch: Path) -> None
         draw = {"status": result.status, "metrics": result.metrics, "wall_time_s": result.wall_time_s}
         return {**draw, "reason": result.reason.strip()[-300:]} if result.status != "ok" else draw
 
+    def measure_again(point: dict) -> None:
+        point["draws"].append(run(point["params"]))
+        settle(point)
+        save(args.out, land)
+
     for stage in session.plan.stages:
         for mbs in micro_batches:
             fitted = False
@@ -150,16 +154,12 @@ def record(args: argparse.Namespace, micro_batches: list, scratch: Path) -> None
                 continue
             point.setdefault("draws", [{k: point[k] for k in ("status", "metrics", "wall_time_s")}])
             if len(point["draws"]) < repeat:
-                point["draws"].append(run(point["params"]))
-                settle(point)
-                save(args.out, land)
+                measure_again(point)
     if args.contenders is not None:
         land["contenders"] = {"within": args.contenders, "repeats": args.contender_repeats}
         while (short := [p for p in contenders(land, args.contenders) if len(p["draws"]) < args.contender_repeats]):
             for point in short:  # one pass: each contender once, so a slow spell spreads over all of them
-                point["draws"].append(run(point["params"]))
-                settle(point)
-                save(args.out, land)
+                measure_again(point)
     print(f"{args.out}: {len(land['points'])} points ({ran} run now, {len(session.plan.stages) * len(micro_batches)} stage x micro-batch cells at most)")
 
 if __name__ == "__main__":

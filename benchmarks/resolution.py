@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).parent))
-from landscape import load, ok_draws  # noqa: E402
+from landscape import load, ok_draws, signed_metric  # noqa: E402
 
 HERE = Path(__file__).parent
 RIVAL = 0.05
@@ -35,8 +35,7 @@ RIVAL = 0.05
 def resolve(land: Dict[str, Any], resamples: int = 2000, seed: int = 0) -> Optional[Dict[str, Any]]:
     """The bootstrap figures of one recorded landscape (its points with two ok draws or more); None
     when no point has two (recorded once, or GPU-like: noise-free values and no draws)."""
-    metric = land.get("metric", "throughput")
-    sign = -1.0 if metric == "latency" else 1.0  # higher is better
+    metric, sign = signed_metric(land)
     draws = {json.dumps(p["params"], sort_keys=True): [sign * d["metrics"][metric] for d in ok_draws(p)] for p in land["points"]}
     draws = {k: v for k, v in draws.items() if len(v) >= 2}
     if not draws:
