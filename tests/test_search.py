@@ -204,6 +204,24 @@ def test_a_pick_still_tied_when_the_re_measurement_budget_is_spent_does_not_stan
     assert len(land.calls) == 3 + 2 + 1
 
 
+def test_a_leader_re_measured_and_beaten_leaves_the_new_pair_of_leaders_their_own_re_measurements():
+    """Successive windows are scripted per micro-batch. 12's lucky first window leads; re-measured, it
+    falls behind 13 and 14, which tie. Their re-measurements are theirs to have (the budget is the
+    pair's, 2 x remeasure): 13 is measured again, then 14, whose first window was unlucky and which
+    is truly the fastest. Counting the repeats of every run instead, 12's and 13's would spend it
+    and 13 would be declared on a tie with 14 unchecked."""
+    windows = {12: [82.0, 70.0], 13: [80.0, 78.0], 14: [78.5, 84.0]}
+
+    class Scripted(Landscape):
+        def throughput(self, params):
+            return windows[params["micro_batch"]][sum(c == params for c in self.calls) - 1]
+
+    land = Scripted(spread=0.08)
+    out = tuner(make_plan(stages=[0], mbs=MicroBatchRule("list", (12, 13, 14))), land, tuner_type="gridsearch", remeasure=1)[0].tune()
+    assert [c["micro_batch"] for c in land.calls][3:] == [12, 13, 14]
+    assert out.best.params["micro_batch"] == 14 and out.best.repeats == [84.0]
+
+
 def test_clear_winner_is_not_remeasured():
     land = Landscape(spread=0.001)
     t, _ = tuner(make_plan(stages=[0], mbs=MicroBatchRule("list", (1, 13))), land, tuner_type="gridsearch")

@@ -2,8 +2,8 @@
 
 A disturbed measurement is re-measured before the search builds on it (the leader first), and its
 re-measurement replaces it. Near-ties between the two leaders (within their intervals) are
-re-measured in turn until they separate or `remeasure` repeats each are done; a pick still tied
-when that budget is spent is measured again once if it stands on one window.
+re-measured in turn until they separate or the pair has had 2 x `remeasure` repeats; a pick still
+tied when that budget is spent is measured again once if it stands on one window.
 """
 
 from typing import List, Optional
@@ -28,7 +28,9 @@ class Repeats:
 
     def step(self, runs: List[Measured]) -> Optional[Step]:
         """The best two, if their values overlap within their intervals, are measured again in turn
-        until they separate or each has `remeasure` repeats (at most 2 x remeasure repeats in all)."""
+        until they separate or the two have 2 x remeasure repeats between them. The budget is the
+        pair's: when a re-measured leader falls behind, the two now on top get theirs (a lucky
+        first window of the new leader would otherwise be declared unchecked)."""
         st = self.st
         ok = sorted((m for m in runs if m.value is not None), key=lambda m: -st.score(m.final_value))
         if len(ok) < 2 or st.s.remeasure <= 0:
@@ -37,7 +39,7 @@ class Repeats:
         ties = [m for m in ok[1:2] if st.tied(lead, m)]
         if not ties:
             return None
-        if sum(self._count(m) for m in ok) >= 2 * st.s.remeasure:  # one tie's worth of repeats in all: noise
+        if sum(self._count(m) for m in [lead, *ties]) >= 2 * st.s.remeasure:  # the pair's own repeats: a leader re-measured and beaten leaves the new pair theirs
             if self._count(lead) == 0:  # that does not settle by then is a tie, but the pick is not left on one window
                 return Step(lead.params, f"the pick, tied with {ties[0].result.name}, on one measurement", repeat_of=lead)
             return None
