@@ -1019,6 +1019,20 @@ def test_one_noisy_fall_beside_the_best_does_not_close_a_wide_stretch_above_it()
     assert peak_probe(rising, [], sizes, {1, 4, 16}, 0.95, cover=2.0, noise=0.05) == peak_probe(rising, [], sizes, {1, 4, 16}, 0.95)
 
 
+def test_a_line_that_cannot_win_at_its_memory_edge_is_probed_where_its_bound_is_highest():
+    """Recorded on gpu_midpeak (seed 10 of 20): z2's default-knob line peaked at 11 and fell to 0.600
+    of the best at 20, its memory edge; the best knobs, measured at 10 (0.977), were then probed at
+    20 first (0.595), then 14 and 12. The stretch above a line's sizes is probed at the memory edge
+    only where the line may beat the target there; else where its bound is highest."""
+    from mlautotune.search.microbatch import peak_probe
+
+    base = [(6, 0.824), (8, 0.907), (9, 0.944), (10, 0.936), (11, 0.956), (13, 0.919), (15, 0.853), (20, 0.600)]
+    size, bound = peak_probe([(10, 0.977)], base, list(range(1, 22)), {10}, 0.977 * 1.015, high_probe=20)
+    assert size == 11 and bound == pytest.approx(0.977 * 0.956 / 0.936)  # the old search: 20
+    rising = [(6, 0.824), (8, 0.907), (10, 0.936), (20, 1.1)]  # a line that may win at its edge: the edge first
+    assert peak_probe([(10, 0.977)], rising, list(range(1, 22)), {10}, 0.977 * 1.015, high_probe=20)[0] == 20
+
+
 def test_the_leading_line_covers_wide_stretches_above_its_best_and_says_why():
     """The recorded numbers above through `Lines.step` on a CPU host: the leading line probes above 4
     (bisecting towards the OOM at 17), where the old search stopped."""

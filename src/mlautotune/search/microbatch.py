@@ -196,8 +196,9 @@ def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Seq
     Stretches lie between this line's measured sizes. Each is priced by the highest optimistic value
     of its candidates (own points plus the scaled reference), and the best-priced one is probed: at
     its log-midpoint; for the stretch below everything measured, where the reference puts it highest
-    if the reference has sizes there, else at half the smallest size; and at `high_probe` (the edge
-    search's next size) or its top for the stretch above. `rate`: values are per-sample rates
+    if the reference has sizes there, else at half the smallest size; and for the stretch above, at
+    `high_probe` (the edge search's next size) or its top, unless the line cannot beat `target` there
+    (a line that peaks inside the stretch): then where its bound is highest. `rate`: values are per-sample rates
     (throughput), so `linear_cap` applies too. `pending`: sizes being measured by other workers; they
     split stretches like measured sizes (so parallel probes spread out) but carry no value, and a
     line with nothing measured yet waits for its pending first look. `reach`: the largest size to
@@ -266,7 +267,9 @@ def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Seq
             if pts:
                 pick = max(ms, key=lambda m: (_bound(pts, m), m))
         elif above == 0:
-            pick = high_probe if high_probe in ms else max(ms)
+            # the memory edge first, unless the line cannot beat the target there (a peak inside the
+            # stretch): then where its bound is highest
+            pick = high_probe if high_probe in ms and (wide or _bound(pts, high_probe) > target) else max(ms, key=lambda m: (_bound(pts, m), m))
         elif below == 0 and any(m < lowest for m, _ in pts):  # the reference has sizes below this line's
             pick = max(ms, key=lambda m: (_bound(pts, m), m))
         elif below == 0:
