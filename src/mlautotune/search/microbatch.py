@@ -198,9 +198,9 @@ def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Seq
     its log-midpoint; for the stretch below everything measured, where the reference puts it highest
     if the reference has sizes there, else at half the smallest size; and for the stretch above, at
     `high_probe` (the edge search's next size) or its top, unless the line cannot beat `target` there
-    (a line that peaks inside the stretch): then where its bound is highest. `rate`: values are per-sample rates
-    (throughput), so `linear_cap` applies too. `pending`: sizes being measured by other workers; they
-    split stretches like measured sizes (so parallel probes spread out) but carry no value, and a
+    (a line that peaks inside the stretch): then where its bound is highest. `rate`: values are
+    per-sample rates (throughput), so `linear_cap` applies too. `pending`: sizes being measured by
+    other workers; they split stretches like measured sizes (so parallel probes spread out) but carry no value, and a
     line with nothing measured yet waits for its pending first look. `reach`: the largest size to
     probe: stretches are still priced beyond it, and probed within it. `reference_above=False`: the
     reference prices the line below its own sizes only, and above them its own points alone do.
@@ -254,7 +254,8 @@ def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Seq
     for (below, above), ms in sorted(stretches.items()):
         if below and above and above / below < MIN_STRETCH:
             continue  # a size between two this close is within about 1% of one of them near a peak
-        bound = max(_bound(pts, m) for m in ms)
+        bounds = {m: _bound(pts, m) for m in ms}
+        bound = max(bounds.values())
         width = (above or max(_within_reach(ms))) / below if below else 0.0
         wide = cover is not None and values.get(below, -math.inf) * (1 + 2 * noise) >= top and width > max(cover, widest)
         if not wide and (widest or bound <= best[1]):
@@ -262,16 +263,15 @@ def peak_probe(own: Sequence[Point], reference: Sequence[Point], candidates: Seq
         if wide:
             widest = width
         ms = _within_reach(ms)
+        top_bound = max(ms, key=lambda m: (bounds[m], m))  # where the stretch's bound is highest (the larger of ties)
         if above == 0 and below == 0:
             pick = max(ms) if high_probe is None or high_probe not in ms else high_probe
             if pts:
-                pick = max(ms, key=lambda m: (_bound(pts, m), m))
-        elif above == 0:
-            # the memory edge first, unless the line cannot beat the target there (a peak inside the
-            # stretch): then where its bound is highest
-            pick = high_probe if high_probe in ms and (wide or _bound(pts, high_probe) > target) else max(ms, key=lambda m: (_bound(pts, m), m))
+                pick = top_bound
+        elif above == 0:  # the memory edge first, unless the line cannot beat the target there
+            pick = high_probe if high_probe in ms and (wide or bounds[high_probe] > target) else top_bound
         elif below == 0 and any(m < lowest for m, _ in pts):  # the reference has sizes below this line's
-            pick = max(ms, key=lambda m: (_bound(pts, m), m))
+            pick = top_bound
         elif below == 0:
             pick = min(ms, key=lambda m: (abs(math.log(m / (above / 2))), -m))
         else:
