@@ -138,6 +138,27 @@ def test_early_stopping_within_a_stage():
     assert any("early stop" in n for n in out.notes)
 
 
+class RisingKnobs(Landscape):
+    """Each knob experiment reads 0.4% above the one before: rises within one measurement's noise."""
+
+    def throughput(self, params):
+        knob_runs = sum(1 for c in self.calls if "reduce_bucket_size" in c and c["reduce_bucket_size"] != 5e8)
+        return 100.0 * (1 + 0.004 * knob_runs)
+
+
+def test_a_rise_within_the_noise_resets_the_knob_early_stop_as_deepspeed_counts():
+    # DeepSpeed's tuner_early_stopping counts experiments since the best rose at all; a knob worth 1-2%
+    # rises by less than one measurement's interval, and counting only rises beyond it stopped here
+    # after 2 knob experiments
+    knobs = {1: {"reduce_bucket_size": [5e8, 5e7, 1e9], "allgather_bucket_size": [5e8, 5e7, 1e9]}}
+    plan = make_plan(stages=[1], mbs=MicroBatchRule("fixed", (4,)), knobs=knobs, fast=False)
+    land = RisingKnobs(spread=0.02)
+    out = tuner(plan, land, tuner_type="gridsearch", early_stopping=2)[0].tune()
+    knob_runs = [m for m in out.measured if m.params["reduce_bucket_size"] != 5e8 or m.params["allgather_bucket_size"] != 5e8]
+    assert len(knob_runs) > 2
+    assert not any("early stop" in n for n in out.notes)
+
+
 def test_listed_sizes_are_all_measured_in_the_stage_searched_on_its_own():
     plan = make_plan(stages=[0], mbs=MicroBatchRule("list", (2, 4, 8)))
     t, _ = tuner(plan, Landscape(), tuner_type="model_based", early_stopping=50)

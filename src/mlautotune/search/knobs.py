@@ -46,7 +46,7 @@ class Knobs:
             return None
         knob_runs = [m for m in runs if m.params["stage"] == stage and knobs_of_params(m.params) != base]
         margin = st.margin(runs)
-        if self._since_improvement([m for m in runs if m.params["stage"] == stage], base, margin) >= st.s.early_stopping:
+        if self._since_improvement([m for m in runs if m.params["stage"] == stage], base) >= st.s.early_stopping:
             st.note(f"z{stage}: early stop of the knob search after {st.s.early_stopping} experiments without improvement")
             return None
         leading = st.score(best.final_value) * (1 + margin) >= target
@@ -78,12 +78,13 @@ class Knobs:
         """Another worker is measuring a knob combination of the stage."""
         return any(p["stage"] == stage and knobs_of_params(p) != base for p in self.st.pending_params)
 
-    def _since_improvement(self, stage_runs: List[Measured], base: Dict[str, Any], margin: float) -> int:
-        """Knob experiments of the stage since its best last rose by more than the noise."""
+    def _since_improvement(self, stage_runs: List[Measured], base: Dict[str, Any]) -> int:
+        """Knob experiments of the stage since its best last rose, as DeepSpeed counts for
+        `tuner_early_stopping` (any rise: a rise within the noise may be the knob effect sought)."""
         best, since = None, 0
         for m in sorted(stage_runs, key=lambda m: m.trial_number):
             value = self.st.score(m.final_value)
-            if value is not None and (best is None or value > best * (1 + margin)):
+            if value is not None and (best is None or value > best):
                 best, since = value, 0
             elif knobs_of_params(m.params) != base:
                 since += 1
