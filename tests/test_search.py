@@ -612,23 +612,28 @@ def test_a_stage_that_takes_the_lead_is_priced_below_its_look_by_the_stage_below
     assert min(z1) == z1[0], land.calls  # the old search: 15, then 8 and 11
 
 
-class ComputePeak(Landscape):
-    """Throughput peaks at micro-batch 6 in both stages (compute-bound, not memory pressure), and
-    stage 1, which keeps 2 GiB less per rank, is 70% faster and fits 35 against stage 0's 15."""
-
-    def peak(self, stage, mbs):
-        return 0.5 * GiB + (2 * GiB if stage == 0 else 0) + self.per_sample * mbs
+class PressurePeak(Landscape):
+    """Throughput peaks at 40% of each stage's memory edge (memory pressure) and falls towards it:
+    stage 0 (edge 28) peaks at 11, stage 1 (edge 32), 10% faster, at 13."""
 
     def throughput(self, params):
-        return 100 * math.exp(-math.log(params["micro_batch"] / 6) ** 2) * (1.7 if params["stage"] == 1 else 1.0)
+        stage, mbs = params["stage"], params["micro_batch"]
+        edge = (LIMIT - self.peak(stage, 0)) / self.per_sample
+        return 100 * math.exp(-math.log(mbs / (0.4 * edge)) ** 2) * (1.1 if stage == 1 else 1.0)
 
 
-def test_a_leader_whose_stage_below_peaked_inside_its_line_searches_below_its_look_on_its_own():
-    """Where the stage below fell well before its edge, the leader's peak need not sit where that
-    line, stretched to the leader's edge, puts it: the leader brackets its own peak on both sides."""
-    land = ComputePeak(per_sample=100 * 2**20)
+def test_a_leader_whose_stage_below_peaked_inside_is_priced_below_its_look_by_that_line():
+    """Seen in the side-by-side run (session 44): z0 peaked at 12 and fell at 21 and 32, z1's look
+    at 12 took the lead, and z1 searched its own line on both sides without z0's line as a prior
+    (64, 32, 21 above its look, then 6, 8 and 10 below), none of them able to beat its 12. Above its
+    look the leader still searches on its own; below it the line below, stretched to the leader's
+    edge, prices it, as it prices every other stage (the replay's mid-peak landscape, 60 seeds:
+    29.7 -> 25.3 experiments, 99% reached on 31 -> 33 of them)."""
+    land = PressurePeak(per_sample=100 * 2**20)
     out = tuner(make_plan(stages=[0, 1]), land, tuner_type="gridsearch")[0].tune()
-    assert out.best.params == {"stage": 1, "micro_batch": 6, "gas": 1}, land.calls  # priced by stage 0: ended at 7
+    z1 = [c["micro_batch"] for c in land.calls if c["stage"] == 1]
+    assert out.best.params["stage"] == 1 and abs(out.best.params["micro_batch"] - 13) <= 1, land.calls
+    assert min(z1) == z1[0], land.calls  # the old search: 12, 32, 20, then 6 below its look
 
 
 BIG = 400_000_000

@@ -5,11 +5,10 @@ placed by the line of the stage below it (where none below ran, the stage above)
 own memory edge; that run scales the prior, and the stage goes on only where the scaled line can
 still win. The stage that leads by more than the noise searches its own line above its sizes,
 memory edge first (on a CPU host no probe goes above CPU_EDGE_STEP times the largest run so far);
-below them the line below still prices it, having measured the rise there. Only where that line
-fell well before its edge (PEAK_INSIDE: a peak that is not memory pressure, which need not move
-with the edge) does the leader bracket its peak on its own on both sides. Above a size that ties its
-best, the leader leaves no stretch over COVER times wide unmeasured: there the line's bound rests on
-the slope between two sizes near its top, which one noisy draw turns into a fall. The pure search
+below them the line below still prices it, having measured the rise there (and its fall, where it
+peaked inside). Above a size that ties its best, the leader leaves no stretch over COVER times wide
+unmeasured: there the line's bound rests on the slope between two sizes near its top, which one
+noisy draw turns into a fall. The pure search
 along one line is microbatch.py.
 """
 
@@ -22,7 +21,6 @@ from mlautotune.search.microbatch import Point, concave_bound, edge_probe, peak_
 from mlautotune.search.step import Step
 
 CPU_EDGE_STEP = 8  # on a CPU host no probe goes above this many times the largest micro-batch run so far
-PEAK_INSIDE = 1.5  # a line that falls by more than the noise this many times past its best size peaked inside
 COVER = 2.0  # above a size that ties its best, the leading line leaves no stretch wider than this ratio unmeasured
 UNSEEN_STAGE = 10.0  # a stage not measured yet may be this much faster at the same micro-batch: every stage gets one look
 
@@ -105,8 +103,6 @@ class Lines:
         # them, and everywhere for the others, the line below prices it
         leads = self._leads(runs, stage, target)
         reference, ref_edge = self.reference(runs, stage)
-        if leads and self._peaks_inside(reference, self.st.margin(runs)):
-            reference, ref_edge = [], None  # where the leader's peak lies, only its own search tells
         if (leads or not reference) and self.st.plan.micro_batch.mode == "list":
             target = -math.inf  # sizes the user listed are all measured in the stage searched on its own
         # the stage below is scaled at each size by this line's ratio to it at its nearest point
@@ -115,14 +111,6 @@ class Lines:
         # peak at 12 when the line has a point at 20
         return self.line_step(stage, knobs, own, ooms, stretched(reference, ref_edge, self.line_edge(own, edge)), edge, taken, target, UNSEEN_STAGE,
                               reference_above=not leads, by_size=True, cover=COVER if leads else None, noise=self.st.margin(runs))
-
-    @staticmethod
-    def _peaks_inside(line: List[Point], margin: float) -> bool:
-        """The line falls, by more than the noise, at PEAK_INSIDE times its best size or beyond."""
-        if not line:
-            return False
-        peak, best = max(line, key=lambda p: p[1])
-        return any(m >= PEAK_INSIDE * peak and v * (1 + margin) < best for m, v in line)
 
     def _leads(self, runs: List[Measured], stage: int, target: float) -> bool:
         """The stage's default-knob line holds the incumbent, and no other stage's best is within the
