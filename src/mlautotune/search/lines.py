@@ -8,8 +8,7 @@ memory edge first (on a CPU host no probe goes above CPU_EDGE_STEP times the lar
 below them the line below still prices it, having measured the rise there (and its fall, where it
 peaked inside). Above a size that ties its best, the leader leaves no stretch over COVER times wide
 unmeasured: there the line's bound rests on the slope between two sizes near its top, which one
-noisy draw turns into a fall. The pure search
-along one line is microbatch.py.
+noisy draw turns into a fall. The pure search along one line is microbatch.py.
 """
 
 import math
