@@ -9,6 +9,8 @@
 4. Joint refinement: the stage's best knobs, and any knobs tied with them within the noise that
    leave room for a larger micro-batch, get their own micro-batch search (their own memory edge
    too), with the default knobs' line as the prior, completed by the knob lines searched before.
+   With several workers it runs beside step 3: while a knob combination of the stage is in flight,
+   the next worker takes the best knobs' micro-batch search.
 """
 
 import math
@@ -31,6 +33,13 @@ class Knobs:
     def __init__(self, strategy):
         self.st = strategy
 
+    def next(self, stage: int, runs: List[Measured], taken: set, target: float, ledger: Ledger) -> Optional[Step]:
+        """Step 3, then step 4. While another worker measures a knob combination of the stage, step 4
+        first: the best knobs so far get their micro-batch search beside the knob search, not after it."""
+        if self.pending(stage):
+            return self.joint_step(stage, runs, taken, target) or self.step(stage, runs, taken, target, ledger)
+        return self.step(stage, runs, taken, target, ledger) or self.joint_step(stage, runs, taken, target)
+
     def step(self, stage: int, runs: List[Measured], taken: set, target: float, ledger: Ledger) -> Optional[Step]:
         """A knob combination of the stage at its best default-knob micro-batch, chosen by the tuner."""
         st = self.st
@@ -50,7 +59,7 @@ class Knobs:
             st.note(f"z{stage}: early stop of the knob search after {st.s.early_stopping} experiments without improvement")
             return None
         leading = st.score(best.final_value) * (1 + margin) >= target
-        first = not knob_runs and not self._knobs_pending(stage, base)
+        first = not knob_runs and not self.pending(stage)
         promise = self._promise(untried, runs, best, len(knob_runs), leading, first)
         if promise <= target:
             st.note(f"z{stage}: no untried knob combination is predicted to beat the incumbent by more than the noise")
@@ -74,8 +83,9 @@ class Knobs:
         middle = statistics.fmean(math.log(m) for m in tied)
         return min(tied, key=lambda m: (abs(math.log(m) - middle), -m))
 
-    def _knobs_pending(self, stage: int, base: Dict[str, Any]) -> bool:
+    def pending(self, stage: int) -> bool:
         """Another worker is measuring a knob combination of the stage."""
+        base = base_knobs(self.st.plan, stage)
         return any(p["stage"] == stage and knobs_of_params(p) != base for p in self.st.pending_params)
 
     def _since_improvement(self, stage_runs: List[Measured], base: Dict[str, Any]) -> int:

@@ -145,7 +145,7 @@ class Strategy:
             if step is not None:
                 return step
         for stage in self.spread(self.knob_order(runs, stages, best)):
-            step = self.knobs.step(stage, runs, taken, target, ledger) or self.knobs.joint_step(stage, runs, taken, target)
+            step = self.knobs.next(stage, runs, taken, target, ledger)
             if step is not None:
                 return step
         return self.repeats.step(runs)
