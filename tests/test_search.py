@@ -1127,8 +1127,8 @@ def test_a_claim_still_being_written_by_another_worker_is_neither_taken_nor_run_
 def test_while_a_knob_combination_is_in_flight_another_worker_searches_the_best_knobs_micro_batch():
     """A 5e7 reduce bucket leads at the default knobs' edge (14) and saves 600 MiB, room for 3 more
     samples. While one worker measures the next knob combination, the other takes the best knobs' own
-    micro-batch search (17) beside it: before, every worker took knob combinations until none was
-    left (4 workers: the knob landscape's 99% came 0.15 h after the start, 0.12 h now)."""
+    micro-batch search (17) beside it: before, every worker took knob combinations until the knob
+    search ended (4 workers: the knob landscape's 99% came 0.15 h after the start, 0.12 h now)."""
     knobs = {0: {"reduce_bucket_size": [500000000, 200000000, 50000000], "overlap_comm": [False, True]}}
     a, b = workers(make_plan(stages=[0], knobs=knobs, fast=False), land=KnobMemory(), tuner_type="gridsearch")
     while True:
