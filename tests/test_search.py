@@ -1142,6 +1142,27 @@ def test_while_a_knob_combination_is_in_flight_another_worker_searches_the_best_
     assert other["micro_batch"] == 17
 
 
+def test_on_cpu_while_one_worker_probes_the_edge_the_next_takes_the_edge_should_that_probe_run_out_of_memory():
+    """A CPU rank's memory grows in allocator chunks: the first edge guess, from 1 and 4, runs out of
+    memory here. While worker a measures it, worker b takes the size the edge search goes to after
+    such an OOM (5% below it), not the middle of the stretch below (cpu_gpt-4M_fast with 4 workers:
+    99% in the second wave, where it came in the third). On a GPU it takes the middle, as before."""
+    for device in ("cpu", "cuda"):
+        land = ChunkyMemory(per_sample=130 * 2**20)
+        a, b = workers(make_plan(stages=[0]), land=land, tuner_type="gridsearch", device=device)
+        for w in (a, b):
+            w.run(*w.propose())  # profiling: 1 and 4
+        probe, step = a.propose()
+        size = probe.params["micro_batch"]
+        assert land.peak(0, size) > LIMIT  # the edge guess runs out of memory
+        hedge, why = b.propose()
+        if device == "cpu":
+            assert hedge.params["micro_batch"] == size - math.ceil(size / 20), why.why
+            assert land.peak(0, hedge.params["micro_batch"]) <= LIMIT and "the edge if" in why.why
+        else:
+            assert hedge.params["micro_batch"] < size / 2  # the stretch below the probe, bisected on a log scale
+
+
 def test_the_budget_counts_other_workers_pending_trials():
     a, b = workers(make_plan(stages=[0, 1]), num_trials=2)
     assert isinstance(a.propose(), tuple) and isinstance(b.propose(), tuple)

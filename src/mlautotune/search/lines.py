@@ -136,6 +136,20 @@ class Lines:
         largest = self.st.largest_run
         return largest * CPU_EDGE_STEP if self.st.s.device == "cpu" and largest is not None else None
 
+    def _hedge(self, stage: int, own: List[Point], ooms: List[int], pending: set, free: List[int]) -> Optional[int]:
+        """On a CPU host, while another worker probes the line above its sizes, the size the edge
+        search takes next should that probe run out of memory. A CPU rank's memory grows in allocator
+        chunks, so an edge probe there often does, and the line's best is mostly just under its edge:
+        the next worker hedges the probe rather than bisect the stretch below it (cpu_gpt-4M_fast, 4
+        workers: 99% reached in the second wave, not the third). On a GPU the memory model places
+        the edge well, and a hedge is a near-duplicate of the probe."""
+        top = max((m for m, _ in own), default=0)
+        probe = max((p for p in pending if p > top), default=None)
+        if self.st.s.device != "cpu" or probe is None:
+            return None
+        size = self.edge(own, list(ooms) + [probe], stage)
+        return size if size is not None and size > top and size not in pending and size in free else None
+
     def line_step(self, stage, knobs, own, ooms, reference, edge, taken, target, prior_ratio, reference_above=True, by_size=False,
                   cover=None, noise=0.0) -> Optional[Step]:
         """The line's next size by the peak search (microbatch.peak_probe), its edge search included."""
@@ -146,6 +160,9 @@ class Lines:
         candidates = self._candidates(stage, high)
         taken_sizes = self._taken_sizes(stage, knobs, taken, candidates) | set(ooms)
         pending = {p["micro_batch"] for p in st.pending_params if p["stage"] == stage and knobs_of_params(p) == knobs}
+        hedge = self._hedge(stage, own, ooms, pending, [m for m in candidates if m not in taken_sizes])
+        if hedge is not None:
+            return Step(with_knobs(st.plan, stage, hedge, knobs), f"z{stage}: micro-batch {hedge}, the edge if {max(pending)} runs out of memory")
         mbs, bound = peak_probe(own, reference, candidates, taken_sizes, target, prior_ratio, high_probe=edge, rate=st.s.metric != "latency",
                                 pending=pending, reach=self._reach(), reference_above=reference_above, by_size=by_size, cover=cover,
                                 noise=noise)
