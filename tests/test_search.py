@@ -1152,13 +1152,13 @@ def test_on_cpu_while_one_worker_probes_the_edge_the_next_takes_the_edge_should_
         a, b = workers(make_plan(stages=[0]), land=land, tuner_type="gridsearch", device=device)
         for w in (a, b):
             w.run(*w.propose())  # profiling: 1 and 4
-        probe, step = a.propose()
+        probe, _ = a.propose()
         size = probe.params["micro_batch"]
         assert land.peak(0, size) > LIMIT  # the edge guess runs out of memory
-        hedge, why = b.propose()
+        hedge, step = b.propose()
         if device == "cpu":
-            assert hedge.params["micro_batch"] == size - math.ceil(size / 20), why.why
-            assert land.peak(0, hedge.params["micro_batch"]) <= LIMIT and "the edge if" in why.why
+            assert hedge.params["micro_batch"] == size - math.ceil(size / 20), step.why
+            assert land.peak(0, hedge.params["micro_batch"]) <= LIMIT and "the edge if" in step.why
         else:
             assert hedge.params["micro_batch"] < size / 2  # the stretch below the probe, bisected on a log scale
 
