@@ -1146,7 +1146,7 @@ def test_on_cpu_while_one_worker_probes_the_edge_the_next_takes_the_edge_should_
     """A CPU rank's memory grows in allocator chunks: the first edge guess, from 1 and 4, runs out of
     memory here. While worker a measures it, worker b takes the size the edge search goes to after
     such an OOM (5% below it), not the middle of the stretch below (cpu_gpt-4M_fast with 4 workers:
-    99% in the second wave, where it came in the third). On a GPU it takes the middle, as before."""
+    99% at the 7th experiment, where it came at the 11th). On a GPU it takes the middle, as before."""
     for device in ("cpu", "cuda"):
         land = ChunkyMemory(per_sample=130 * 2**20)
         a, b = workers(make_plan(stages=[0]), land=land, tuner_type="gridsearch", device=device)

@@ -147,8 +147,8 @@ class Lines:
         probe = max((p for p in pending if p > top), default=None)
         if self.st.s.device != "cpu" or probe is None:
             return None
-        size = self.edge(own, list(ooms) + [probe], stage)
-        return size if size is not None and size > top and size not in pending and size in free else None
+        size = self.edge(own, list(ooms) + [probe], stage)  # above `top` by the edge search's rule
+        return size if size in free else None  # free: not measured, and not pending with another worker
 
     def line_step(self, stage, knobs, own, ooms, reference, edge, taken, target, prior_ratio, reference_above=True, by_size=False,
                   cover=None, noise=0.0) -> Optional[Step]:
