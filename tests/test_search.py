@@ -196,13 +196,14 @@ def test_latency_is_minimised():
 
 
 def test_near_ties_are_remeasured_before_the_optimum_is_declared():
-    # Throughput is flat at the top (mbs 13 vs 12 within 1%), and the step-time spread is 5%.
-    land = Landscape(spread=0.05)
+    # Throughput is flat at the top (mbs 13 vs 12 within 2%), and the step-time spread is 10% (+-5%).
+    # The leader 13 is measured again, then 12, which may still win (75 x 1.05 > 76.5 x 1.025); measured
+    # twice, 12's interval narrows to 3.5%, and it can no longer: the second round is not run.
+    land = Landscape(spread=0.10)
     t, _ = tuner(make_plan(stages=[0], mbs=MicroBatchRule("list", (12, 13))), land, tuner_type="gridsearch", remeasure=2)
     out = t.tune()
     assert any("re-measuring" in n for n in out.notes)
-    assert len(out.best.repeats) == 2
-    assert len(land.calls) == 2 + 2 * 2
+    assert [c["micro_batch"] for c in land.calls] == [12, 13, 13, 12]
     # still within each other's interval after the repeats: the outcome says so, for the report
     assert [m.params["micro_batch"] for m in out.ties] == [12 if out.best.params["micro_batch"] == 13 else 13]
 
@@ -241,6 +242,24 @@ def test_a_leader_re_measured_and_beaten_leaves_the_new_pair_of_leaders_their_ow
     out = tuner(make_plan(stages=[0], mbs=MicroBatchRule("list", (12, 13, 14))), land, tuner_type="gridsearch", remeasure=1)[0].tune()
     assert [c["micro_batch"] for c in land.calls][3:] == [12, 13, 14]
     assert out.best.params["micro_batch"] == 14 and out.best.repeats == [84.0]
+
+
+def test_a_rival_that_could_at_best_tie_the_re_measured_leader_is_not_measured_again():
+    """Seen side by side on a flat top (edge, session 47): the leader measured again stood, and each
+    rival within the intervals was measured again in turn, one launch each, though at its
+    optimistic value (its draw and interval) none could beat the leader by more than the stop rule's
+    margin: choosing among them gains less than the noise. 12 leads on 80.0, again 80.0; 13 read
+    77.0 (+-4%: 80.1 at best, against the target 80 x (1 + 0.5 x 4%) = 81.6) and is left as a tie."""
+    windows = {1: [20.0], 12: [80.0, 80.0], 13: [77.0, 77.0]}
+
+    class Scripted(Landscape):
+        def throughput(self, params):
+            return windows[params["micro_batch"]][sum(c == params for c in self.calls) - 1]
+
+    land = Scripted(spread=0.08)
+    out = tuner(make_plan(stages=[0], mbs=MicroBatchRule("list", (1, 12, 13))), land, tuner_type="gridsearch", remeasure=1)[0].tune()
+    assert [c["micro_batch"] for c in land.calls][3:] == [12]
+    assert out.best.params["micro_batch"] == 12 and [m.params["micro_batch"] for m in out.ties] == [13]
 
 
 def test_clear_winner_is_not_remeasured():
@@ -746,13 +765,13 @@ def test_interval_rel_decides_near_ties_and_a_disturbed_leader_is_remeasured():
             r = super().__call__(exp)
             if r.status == "ok":
                 r.metrics.pop("step_time_spread")
-                r.metrics["interval_rel"] = 0.03
+                r.metrics["interval_rel"] = 0.05
                 r.metrics["disturbed"] = exp.params["micro_batch"] == 13 and not any(c == exp.params for c in self.calls[:-1])
             return r
 
     land = Probed()
     out = tuner(make_plan(stages=[0], mbs=MicroBatchRule("list", (1, 12, 13))), land, tuner_type="gridsearch", remeasure=1)[0].tune()
-    assert sum(c["micro_batch"] == 13 for c in land.calls) == 2  # disturbed: measured again; then tied with 12 within 3%+3%
+    assert sum(c["micro_batch"] == 13 for c in land.calls) == 2  # disturbed: measured again; then tied with 12 within 5%+5%, which may win (75 x 1.05 > 76.5 x 1.025)
     assert sum(c["micro_batch"] == 12 for c in land.calls) == 2
     assert len(out.best.repeats) == 1
 
@@ -1096,9 +1115,9 @@ def test_a_second_worker_goes_to_a_stage_nobody_is_measuring():
 
 
 def test_a_pending_re_measurement_is_not_proposed_twice():
-    """Two near-tied leaders (5% step-time spread): while one worker re-measures the first, the
+    """Two near-tied leaders (10% step-time spread): while one worker re-measures the first, the
     other re-measures the second, not the first again."""
-    a, b, c = workers(make_plan(stages=[0], mbs=MicroBatchRule("list", (12, 13))), n=3, land=Landscape(spread=0.05), tuner_type="gridsearch", remeasure=1)
+    a, b, c = workers(make_plan(stages=[0], mbs=MicroBatchRule("list", (12, 13))), n=3, land=Landscape(spread=0.10), tuner_type="gridsearch", remeasure=1)
     for _ in range(2):
         a.run(*a.propose())
     first, second = a.propose(), b.propose()

@@ -148,4 +148,4 @@ class Strategy:
             step = self.knobs.next(stage, runs, taken, target, ledger)
             if step is not None:
                 return step
-        return self.repeats.step(runs)
+        return self.repeats.step(runs, target)
