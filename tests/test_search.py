@@ -14,6 +14,7 @@ import pytest
 from mlautotune.console import Console
 from mlautotune.experiment import Experiment, Resources, Result
 from mlautotune.search import SearchSettings, Tuner
+from mlautotune.search.knobs import KNOB_STARTUP
 from mlautotune.space import MicroBatchRule, TuningPlan
 
 GiB = 2**30
@@ -172,6 +173,24 @@ def test_a_size_that_cannot_beat_the_incumbent_is_not_run():
     land = Landscape()
     tuner(make_plan(stages=[0]), land, tuner_type="model_based")[0].tune()
     assert {c["micro_batch"] for c in land.calls}.isdisjoint({2, 3})
+
+
+class NoisyKnobsWorthNothing(Landscape):
+    """One stage, knobs worth nothing, each measurement drawn within +-2% (a 95% interval of 4%)."""
+
+    def throughput(self, params):
+        return 100.0 * (1 + 0.02 * ((hash((params["micro_batch"], len(self.calls))) % 7) - 3) / 3)
+
+
+def test_a_stage_whose_knob_combinations_differ_by_no_more_than_the_noise_stops_its_knob_search():
+    # each lucky draw raised the stage's best and reopened the search (gpu_flat: six z1 knob runs whose
+    # true values are all equal); the old rule ran more than KNOB_STARTUP of the 18 combinations here
+    knobs = {1: {"reduce_bucket_size": [5e8, 5e7, 1e9], "allgather_bucket_size": [5e8, 5e7, 1e9], "overlap_comm": [False, True]}}
+    plan = make_plan(stages=[1], mbs=MicroBatchRule("fixed", (8,)), knobs=knobs, fast=False)
+    land = NoisyKnobsWorthNothing(spread=0.08)
+    out = tuner(plan, land, tuner_type="model_based", remeasure=0)[0].tune()
+    assert len(land.calls) == 1 + KNOB_STARTUP  # the default knobs and the prior's knob experiments
+    assert any("differ by no more than the noise" in n for n in out.notes)
 
 
 def test_readme_micro_batch_rules():

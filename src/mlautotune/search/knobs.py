@@ -5,7 +5,8 @@
    (model_based: the XGBoost cost model with feasibility), while their optimistic value can beat
    the incumbent: in the stage tied for the lead, a prior for knob values not seen yet; in a stage
    behind it, one look if its best is within KNOB_LOOK of the incumbent; then the cost model's
-   prediction.
+   prediction. A stage's knob search also ends once KNOB_STARTUP + 1 combinations measured there
+   differ by no more than the noise (`_within_noise`).
 4. Joint refinement: the stage's best knobs, and any knobs tied with them within the noise that
    leave room for a larger micro-batch, get their own micro-batch search (their own memory edge
    too), with the default knobs' line as the prior, completed by the knob lines searched before.
@@ -27,6 +28,7 @@ KNOB_PRIOR = 0.25  # what knobs the cost model has not yet seen varied might be 
 KNOB_STARTUP = 4  # knob experiments on that prior in a stage tied for the lead; then the cost model decides
 KNOB_LOOK = 0.10  # a stage behind the lead gets one knob experiment while its best is within this much of the incumbent
 MODEL_SLACK = 0.02  # the cost model's prediction, made optimistic by this much
+NOISE_SPREAD = 1.5  # knob combinations whose values vary no more than this times one value's noise variance: knobs within the noise
 
 
 class Knobs:
@@ -57,6 +59,9 @@ class Knobs:
         margin = st.margin(runs)
         if self._since_improvement([m for m in runs if m.params["stage"] == stage], base) >= st.s.early_stopping:
             st.note(f"z{stage}: early stop of the knob search after {st.s.early_stopping} experiments without improvement")
+            return None
+        if self._within_noise([m for m in runs if m.params["stage"] == stage and m.params["micro_batch"] == at and m.value is not None], stage):
+            st.note(f"z{stage}: its knob combinations measured so far differ by no more than the noise: the knob search stops")
             return None
         leading = st.score(best.final_value) * (1 + margin) >= target
         first = not knob_runs and not self.pending(stage)
@@ -99,6 +104,21 @@ class Knobs:
             elif knobs_of_params(m.params) != base:
                 since += 1
         return since
+
+    def _within_noise(self, here: List[Measured], stage: int) -> bool:
+        """The stage's combinations measured at the knob micro-batch (the default knobs among them),
+        KNOB_STARTUP + 1 or more, spread no more than their measurements' noise would alone: their
+        variance is at most NOISE_SPREAD times the mean variance of one value (an interval is a 95%
+        half-width, two standard deviations, narrowed by re-measurements). The knobs then move the
+        metric by less than one measurement can tell, and a search among them chases lucky draws
+        (gpu_flat: z1's six knob runs, true values all 0.982, read 0.957-1.008, each rise reopening
+        the search). Not while another worker measures one of the stage's combinations."""
+        st = self.st
+        if len(here) < KNOB_STARTUP + 1 or self.pending(stage):
+            return False
+        values = [st.score(m.final_value) for m in here]
+        noise = statistics.fmean((m.single_interval / 2 * v) ** 2 / len(m.values) for m, v in zip(here, values))
+        return statistics.variance(values) <= NOISE_SPREAD * noise
 
     def _promise(self, untried: List[Dict[str, Any]], runs: List[Measured], best: Measured, knob_runs: int, leading: bool, first: bool) -> float:
         """Optimistic value of the stage's untried knob combinations. Until the stage's first knob
