@@ -60,7 +60,7 @@ class Knobs:
         if self._since_improvement([m for m in runs if m.params["stage"] == stage], base) >= st.s.early_stopping:
             st.note(f"z{stage}: early stop of the knob search after {st.s.early_stopping} experiments without improvement")
             return None
-        if self._within_noise([m for m in runs if m.params["stage"] == stage and m.params["micro_batch"] == at and m.value is not None], stage):
+        if self._within_noise([m for m in runs if m.params["stage"] == stage and m.params["micro_batch"] == at and m.value is not None]):
             st.note(f"z{stage}: its knob combinations measured so far differ by no more than the noise: the knob search stops")
             return None
         leading = st.score(best.final_value) * (1 + margin) >= target
@@ -105,16 +105,17 @@ class Knobs:
                 since += 1
         return since
 
-    def _within_noise(self, here: List[Measured], stage: int) -> bool:
+    def _within_noise(self, here: List[Measured]) -> bool:
         """The stage's combinations measured at the knob micro-batch (the default knobs among them),
         KNOB_STARTUP + 1 or more, spread no more than their measurements' noise would alone: their
         variance is at most NOISE_SPREAD times the mean variance of one value (an interval is a 95%
         half-width, two standard deviations, narrowed by re-measurements). The knobs then move the
         metric by less than one measurement can tell, and a search among them chases lucky draws
         (gpu_flat: z1's six knob runs, true values all 0.982, read 0.957-1.008, each rise reopening
-        the search). Not while another worker measures one of the stage's combinations."""
+        the search). With several workers, on what is measured so far: a combination still in flight
+        that spreads them reopens the search when it lands."""
         st = self.st
-        if len(here) < KNOB_STARTUP + 1 or self.pending(stage):
+        if len(here) < KNOB_STARTUP + 1:
             return False
         values = [st.score(m.final_value) for m in here]
         noise = statistics.fmean((m.single_interval / 2 * v) ** 2 / len(m.values) for m, v in zip(here, values))
