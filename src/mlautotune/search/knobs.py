@@ -118,7 +118,7 @@ class Knobs:
         if len(here) < KNOB_STARTUP + 1:
             return False
         values = [st.score(m.final_value) for m in here]
-        noise = statistics.fmean((m.single_interval / 2 * v) ** 2 / len(m.values) for m, v in zip(here, values))
+        noise = statistics.fmean((m.interval / 2 * v) ** 2 for m, v in zip(here, values))
         return statistics.variance(values) <= NOISE_SPREAD * noise
 
     def _promise(self, untried: List[Dict[str, Any]], runs: List[Measured], best: Measured, knob_runs: int, leading: bool, first: bool) -> float:
