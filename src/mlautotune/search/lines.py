@@ -8,11 +8,11 @@ memory edge first (on a CPU host no probe goes above CPU_EDGE_STEP times the lar
 below them the line below still prices it, having measured the rise there (and its fall, where it
 peaked inside). Above a size that ties its best, the leader leaves no stretch over COVER times wide
 unmeasured: there the line's bound rests on the slope between two sizes near its top, which one
-noisy draw turns into a fall. With several workers a default-knob line takes at most LINE_IN_FLIGHT
-sizes at once: a third probe would split stretches the first two already split, and the worker
-does more for the search on another stage's line or on the stage's knobs at its best size so far,
-whose results teach the cost model the knobs' effects before the line ends. The pure search along
-one line is microbatch.py.
+noisy draw turns into a fall. With several workers a line (default knobs, or a knob set's own in
+step 4) takes at most LINE_IN_FLIGHT sizes at once: a third probe would split stretches the first
+two already split, and the worker does more for the search on another line or on the stage's knobs
+at its best size so far, whose results teach the cost model the knobs' effects before the line
+ends. The pure search along one line is microbatch.py.
 """
 
 import math
@@ -25,7 +25,7 @@ from mlautotune.search.step import Step
 
 CPU_EDGE_STEP = 8  # on a CPU host no probe goes above this many times the largest micro-batch run so far
 COVER = 2.0  # above a size that ties its best, the leading line leaves no stretch wider than this ratio unmeasured
-LINE_IN_FLIGHT = 2  # sizes of one default-knob line measured at once (several workers); the next worker goes elsewhere
+LINE_IN_FLIGHT = 2  # sizes of one line measured at once (several workers); the next worker goes elsewhere
 UNSEEN_STAGE = 10.0  # a stage not measured yet may be this much faster at the same micro-batch: every stage gets one look
 
 
@@ -106,8 +106,6 @@ class Lines:
         """The next size of the stage's default-knob line, or None when nothing on it can beat `target`."""
         knobs = base_knobs(self.st.plan, stage)
         own, ooms, _ = self.line(runs, stage, knobs)
-        if own and len(self._in_flight(stage, knobs)) >= LINE_IN_FLIGHT:
-            return None  # the next worker goes to the other stages' lines, then to this stage's knobs
         edge = self.edge(own, ooms, stage)
         # the stage that leads by more than the noise gets a search of its own above its sizes; below
         # them, and everywhere for the others, the line below prices it
@@ -171,6 +169,8 @@ class Lines:
         candidates = self._candidates(stage, high)
         taken_sizes = self._taken_sizes(stage, knobs, taken, candidates) | set(ooms)
         pending = set(self._in_flight(stage, knobs))
+        if own and len(pending) >= LINE_IN_FLIGHT:
+            return None  # the next worker goes to another line, or to the knobs
         hedge = self._hedge(stage, own, ooms, pending, [m for m in candidates if m not in taken_sizes])
         if hedge is not None:
             return Step(with_knobs(st.plan, stage, hedge, knobs), f"z{stage}: micro-batch {hedge}, the edge if {max(pending)} runs out of memory")

@@ -8,7 +8,7 @@ asks its steps in order, each in its own module:
 2. lines.py: the micro-batch of each stage with its default knobs (the leading stage searches its
    own line above its sizes; below them, and everywhere for the others, the line of the stage below
    prices it, or above where none below ran; with several workers, at most two sizes of a line at
-   once, the next worker going on down this list).
+   once, step 4's knob lines included, the next worker going on down this list).
 3. knobs.py: the ZeRO knobs of each stage at its best micro-batch: of the stages tied for the lead,
    the one with the most knob combinations first.
 4. knobs.py: joint refinement, the best (and tied) knobs' own micro-batch search.
