@@ -8,8 +8,8 @@ memory edge first (on a CPU host no probe goes above CPU_EDGE_STEP times the lar
 below them the line below still prices it, having measured the rise there (and its fall, where it
 peaked inside). Above a size that ties its best, the leader leaves no stretch over COVER times wide
 unmeasured: there the line's bound rests on the slope between two sizes near its top, which one
-noisy draw turns into a fall. With several workers a line (default knobs, or a knob set's own in
-step 4) takes at most LINE_IN_FLIGHT sizes at once: a third probe would split stretches the first
+noisy draw turns into a fall. With several workers a line (default knobs, or a knob set's own line
+in step 4) takes at most LINE_IN_FLIGHT sizes at once: a third probe would split stretches the first
 two already split, and the worker does more for the search on another line or on the stage's knobs
 at its best size so far, whose results teach the cost model the knobs' effects before the line
 ends. The pure search along one line is microbatch.py.
