@@ -40,10 +40,6 @@ class Lines:
         ooms = [m.params["micro_batch"] for m in same if m.result.status == "oom"]
         return own, ooms, [m.params["micro_batch"] for m in same]
 
-    def _in_flight(self, stage: int, knobs: Dict[str, Any]) -> List[int]:
-        """Sizes of the line other workers are measuring."""
-        return [p["micro_batch"] for p in self.st.pending_params if p["stage"] == stage and knobs_of_params(p) == knobs]
-
     def _taken_sizes(self, stage: int, knobs: Dict[str, Any], taken: set, sizes: List[int]) -> set:
         return {m for m in sizes if params_key(with_knobs(self.st.plan, stage, m, knobs)) in taken}
 
@@ -163,14 +159,14 @@ class Lines:
                   cover=None, noise=0.0) -> Optional[Step]:
         """The line's next size by the peak search (microbatch.peak_probe), its edge search included."""
         st = self.st
+        pending = {p["micro_batch"] for p in st.pending_params if p["stage"] == stage and knobs_of_params(p) == knobs}
+        if own and len(pending) >= LINE_IN_FLIGHT:
+            return None  # the next worker goes to another line, or to the knobs
         high = max([m for m, _ in own] + [edge or 0, st.low] + (list(st.plan.micro_batch.values) if st.plan.micro_batch.mode != "min" else []))
         if ooms:
             high = min(high, min(ooms) - 1)
         candidates = self._candidates(stage, high)
         taken_sizes = self._taken_sizes(stage, knobs, taken, candidates) | set(ooms)
-        pending = set(self._in_flight(stage, knobs))
-        if own and len(pending) >= LINE_IN_FLIGHT:
-            return None  # the next worker goes to another line, or to the knobs
         hedge = self._hedge(stage, own, ooms, pending, [m for m in candidates if m not in taken_sizes])
         if hedge is not None:
             return Step(with_knobs(st.plan, stage, hedge, knobs), f"z{stage}: micro-batch {hedge}, the edge if {max(pending)} runs out of memory")
