@@ -75,6 +75,24 @@ def test_memory_linear_in_the_micro_batch_keeps_the_line_whatever_each_stage_s_s
         assert m.max_micro_batch(stage) == int((16 * GiB - m.predict(stage, 0)) / m.per_sample)
 
 
+def test_an_edge_probe_that_ran_out_of_memory_moves_every_stage_s_edge_under_it():
+    """The README's first command (2 CPU ranks, limit 1 GiB) in session 50: z0 ran out of memory at 32
+    (its peak, 1093337088 bytes, is recorded here), then z1, with less memory per rank and so not
+    bounded by z0's OOM, was sent to 32 too and ran out of memory there. z0's peaks at micro-batch 1
+    and 4 were not kept; here they lie in one allocator chunk (6 MB apart), so the line through them
+    puts every edge far above 32. The growth from 4 to z0's OOM is the fastest seen: carried on from
+    4, it puts z1's edge (and z0's and z3's) under 32."""
+    limit = 1 * GiB
+    m = MemoryModel(937472, 937472, {"optimizer": {"type": "Adam"}}, 2, 1, limit, "cpu")
+    m.observe(0, 1, 749_000_000, oom=False)
+    m.observe(0, 4, 755_000_000, oom=False)
+    assert m.max_micro_batch(1) > 40
+    m.observe(0, 32, 1_093_337_088, oom=True)
+    growth = (1_093_337_088 - 755_000_000) / 28
+    assert m.max_micro_batch(1) == int(4 + (limit - m.predict(1, 4)) / growth) < 32
+    assert m.max_micro_batch(0) < 32 and m.max_micro_batch(3) < 32
+
+
 def test_calibration_moves_predictions_towards_measurements_and_logs_errors():
     m = model(world=2, n=10_000_000)
     m.observe(0, 1, 2 * GiB, oom=False)
@@ -90,7 +108,7 @@ def test_an_oom_bounds_the_stage_and_the_stages_that_keep_more():
     m.observe(1, 1, 2 * GiB, oom=False)
     m.observe(1, 2, int(2.1 * GiB), oom=False)
     assert m.max_micro_batch(1) > 100
-    m.observe(1, 50, 70 * GiB, oom=True)
+    m.observe(1, 50, None, oom=True)  # an accelerator's OOM: no peak
     assert m.max_micro_batch(1) == 49 and m.max_micro_batch(0) == 49
     assert m.max_micro_batch(3) > 49  # stage 3 keeps less per rank: not bounded by it
     assert not m.fits(1, 50) and m.feasible(1)

@@ -10,10 +10,12 @@ measurements of its own (ZeRO's buckets and prefetch buffers differ by stage); a
 takes its nearest run stage's.
 Where a stage's memory grows faster somewhere than its own fitted line says (a CPU rank's RSS),
 that growth carries on beyond its largest run, from the run's measured peak, in the edge prediction
-of every stage. An OOM is a hard bound: no micro-batch at or above it is predicted to fit, in that
-stage or in any stage with more memory per rank. In a stage with no successful run yet, an OOM also calibrates:
-its peak (at least the limit) is a lower bound on the stage's fixed part, so the next prediction
-lands below it by the right amount instead of one micro-batch lower.
+of every stage; an OOM's peak (at least the limit) counts as a point of that growth, so an edge probe
+that ran out of memory moves every stage's edge under it. An OOM is also a hard bound: no
+micro-batch at or above it is predicted to fit, in that stage or in any stage with more memory per
+rank. In a stage with no successful run yet, an OOM also calibrates: its peak (at least the limit)
+is a lower bound on the stage's fixed part, so the next prediction lands below it by the right
+amount instead of one micro-batch lower.
 """
 
 from typing import Any, Dict, List, Optional
@@ -120,31 +122,36 @@ class MemoryModel:
             return False
         return self.limit is None or self.fixed is None or self.predict(stage, mbs) <= self.limit
 
-    def max_micro_batch(self, stage: int, cap: Optional[int] = None) -> int:
-        """The largest micro-batch predicted to fit (0 if none), at most `cap`."""
+    def max_micro_batch(self, stage: int, cap: Optional[int] = None, headroom: float = 0.0) -> int:
+        """The largest micro-batch predicted to fit (0 if none), at most `cap`; with `headroom`, the
+        largest predicted to leave that fraction of the limit free."""
         top = min(x for x in (cap, self.oom_at.get(stage, MAX_MICRO_BATCH + 1) - 1, MAX_MICRO_BATCH) if x is not None)
         if self.limit is None or self.fixed is None or not self.per_sample:
             return top
-        room = (self.limit - self.predict(stage, 0)) / self.per_sample
+        limit = self.limit * (1.0 - headroom)
+        room = (limit - self.predict(stage, 0)) / self.per_sample
         for ratio, top_run, excess in self._curvature():  # beyond a run where memory grew faster than its line
             if room > top_run:
-                room = top_run + (self.limit - self.predict(stage, top_run) - excess) / (self.per_sample * ratio)
+                room = top_run + (limit - self.predict(stage, top_run) - excess) / (self.per_sample * ratio)
         return max(0, min(top, int(room)))
 
     def _curvature(self) -> List[tuple]:
         """Memory that grows faster at larger micro-batches (a CPU rank's RSS) grows at least as fast
-        beyond them: for each stage whose steepest growth between two runs (SECANT_RATIO or more
-        apart) is steeper than the stage's own least-squares line, (how many times steeper, the
-        stage's largest run, how far that run's peak is above the fitted line). Memory linear in
-        the micro-batch has none."""
+        beyond them: for each stage whose steepest growth from a run to a larger run or OOM
+        (SECANT_RATIO or more apart) is steeper than the stage's own least-squares line, (how many
+        times steeper, the stage's largest run, how far that run's peak is above the fitted line).
+        An OOM's peak (at least the limit where none was measured) is a lower bound, so the growth
+        to it is too: an edge probe that ran out of memory moves every stage's edge under it, not
+        only its own. Memory linear in the micro-batch, within the limit, has none."""
         curves = []
         for stage in {s for s, _, _, oom in self.points if not oom}:
             runs = sorted((m, peak) for s, m, peak, oom in self.points if s == stage and not oom)
-            if len(runs) < 3:
+            if len(runs) < 2:
                 continue
+            ends = runs + [(m, peak) for s, m, peak, oom in self.points if s == stage and oom]
             n, d = _moments(runs)
             own = n / d if d > 0 else 0.0
-            steepest = max(((p2 - p1) / (m2 - m1) for i, (m1, p1) in enumerate(runs) for m2, p2 in runs[i + 1:] if m2 >= m1 * SECANT_RATIO), default=0.0)
+            steepest = max(((p2 - p1) / (m2 - m1) for m1, p1 in runs for m2, p2 in ends if m2 >= m1 * SECANT_RATIO), default=0.0)
             if own > 0 and steepest > own:
                 top, peak = runs[-1]
                 curves.append((steepest / own, top, max(0.0, peak - self.predict(stage, top))))

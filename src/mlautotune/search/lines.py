@@ -27,6 +27,10 @@ CPU_EDGE_STEP = 8  # on a CPU host no probe goes above this many times the large
 COVER = 2.0  # above a size that ties its best, the leading line leaves no stretch wider than this ratio unmeasured
 LINE_IN_FLIGHT = 2  # sizes of one line measured at once (several workers); the next worker goes elsewhere
 UNSEEN_STAGE = 10.0  # a stage not measured yet may be this much faster at the same micro-batch: every stage gets one look
+# a stage's only look on a tight budget leaves this fraction of the memory limit free: until the stage
+# runs, its fixed part is another stage's, and on a CPU host ZeRO-3's is 6% of a 1 GiB limit above
+# ZeRO-0's (the README's first command: looks at the edge ran out of memory, leaving stages unreported)
+ONLY_LOOK_HEADROOM = 0.05
 
 
 class Lines:
@@ -90,19 +94,20 @@ class Lines:
             return st.memory.max_micro_batch(stage, cap=st.cap) or None
         return max((m for m, _ in own), default=None)
 
-    def edge(self, own: List[Point], ooms: List[int], stage: int, predicted: Optional[int] = None) -> Optional[int]:
+    def edge(self, own: List[Point], ooms: List[int], stage: int, predicted: Optional[int] = None, headroom: float = 0.0) -> Optional[int]:
         st = self.st
         if st.plan.micro_batch.mode != "min":
             return None
         if predicted is None and st.memory is not None and st.memory.grows():
-            predicted = st.memory.max_micro_batch(stage, cap=st.cap)
+            predicted = st.memory.max_micro_batch(stage, cap=st.cap, headroom=headroom)
         return edge_probe([m for m, _ in own], ooms, st.low, st.cap, predicted, chunky=st.s.device == "cpu")
 
-    def step(self, stage: int, runs: List[Measured], taken: set, target: float) -> Optional[Step]:
-        """The next size of the stage's default-knob line, or None when nothing on it can beat `target`."""
+    def step(self, stage: int, runs: List[Measured], taken: set, target: float, only_look: bool = False) -> Optional[Step]:
+        """The next size of the stage's default-knob line, or None when nothing on it can beat `target`.
+        `only_look`: the stage's one look on a tight budget, kept ONLY_LOOK_HEADROOM under the limit."""
         knobs = base_knobs(self.st.plan, stage)
         own, ooms, _ = self.line(runs, stage, knobs)
-        edge = self.edge(own, ooms, stage)
+        edge = self.edge(own, ooms, stage, headroom=ONLY_LOOK_HEADROOM if only_look else 0.0)
         # the stage that leads by more than the noise gets a search of its own above its sizes; below
         # them, and everywhere for the others, the line below prices it
         leads = self._leads(runs, stage, target)

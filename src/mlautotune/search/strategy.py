@@ -16,6 +16,7 @@ asks its steps in order, each in its own module:
 
 When the experiments left in tuner_num_trials are no more than the stages not yet run, those stages'
 first looks (step 2) come before everything after profiling: a small budget still tries every stage.
+Each such look, the stage's only one, leaves 5% of the memory limit free (lines.ONLY_LOOK_HEADROOM).
 
 What the steps share lives here: the score (higher is better whatever the metric), the incumbent,
 the interval of one measurement, near-ties, and the one global stop rule that gates every step: a
@@ -135,7 +136,7 @@ class Strategy:
         target = self.score(best.final_value) * (1 + self.s.explore * self.margin(runs)) if best else 0.0
         stages = self.spread([s for s in self.plan.stages if self.profiling.feasible(s)])
         for stage in self.unseen_on_a_tight_budget(stages, runs, ledger):
-            step = self.lines.step(stage, runs, taken, target)
+            step = self.lines.step(stage, runs, taken, target, only_look=True)
             if step is not None:
                 return step
         step = self.repeats.disturbed_step(runs)
