@@ -1301,26 +1301,26 @@ def test_a_budget_that_would_end_before_every_stage_had_a_look_gives_the_looks_f
 
 
 class StageBuffers(Landscape):
-    """ZeRO's buffers grow with the stage (on a CPU host, ZeRO-3's peak at the same micro-batch is 6% of a
-    1 GiB limit above ZeRO-0's, in the README's first command): here 1.5% of the limit per stage."""
+    """ZeRO's buffers grow with the stage (on a CPU host, ZeRO-3's peak at the same micro-batch is 6-10% of
+    a 1 GiB limit above ZeRO-0's, in the README's first command): here 3% of the limit per stage."""
 
     def peak(self, stage, mbs):
-        return super().peak(stage, mbs) + 0.015 * stage * LIMIT
+        return super().peak(stage, mbs) + 0.03 * stage * LIMIT
 
 
 def test_a_stage_s_only_look_on_a_tight_budget_stays_under_the_memory_limit():
     """With six experiments, z1-z3 get one look each. Placed at the edge that z0's fixed part predicts,
     each ran out of memory (their buffers are larger), and the report had three stages with no run.
-    The only look leaves 5% of the limit free."""
+    The only look leaves 10% of the limit free."""
     land = StageBuffers()
     out = tuner(make_plan(), land, tuner_type="gridsearch", num_trials=6)[0].tune()
     looks = [c for c in land.calls if c["stage"] > 0]
     assert sorted(c["stage"] for c in looks) == [1, 2, 3]
     assert all(land.peak_of(c) <= LIMIT for c in looks) and set(out.stage_best) == {0, 1, 2, 3}
-    # each look is still near its stage's edge: within two micro-batches of the largest that fits
+    # each look is still near its stage's edge: within three micro-batches of the largest that fits
     for c in looks:
         edge = max(m for m in range(1, 64) if land.peak(c["stage"], m) <= LIMIT)
-        assert edge - 2 <= c["micro_batch"] <= edge
+        assert edge - 3 <= c["micro_batch"] <= edge
 
 
 class ScriptBroken(Landscape):

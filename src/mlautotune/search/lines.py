@@ -28,9 +28,10 @@ COVER = 2.0  # above a size that ties its best, the leading line leaves no stret
 LINE_IN_FLIGHT = 2  # sizes of one line measured at once (several workers); the next worker goes elsewhere
 UNSEEN_STAGE = 10.0  # a stage not measured yet may be this much faster at the same micro-batch: every stage gets one look
 # a stage's only look on a tight budget leaves this fraction of the memory limit free: until the stage
-# runs, its fixed part is another stage's, and on a CPU host ZeRO-3's is 6% of a 1 GiB limit above
-# ZeRO-0's (the README's first command: looks at the edge ran out of memory, leaving stages unreported)
-ONLY_LOOK_HEADROOM = 0.05
+# runs, its fixed part is another stage's, and ZeRO's buffers differ by stage (the README's first
+# command on a CPU host: ZeRO-3's peak 6-10% of the 1 GiB limit above ZeRO-0's at the same size, so
+# looks placed at the edge ran out of memory and left stages unreported)
+ONLY_LOOK_HEADROOM = 0.10
 
 
 class Lines:

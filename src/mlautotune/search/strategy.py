@@ -16,7 +16,7 @@ asks its steps in order, each in its own module:
 
 When the experiments left in tuner_num_trials are no more than the stages not yet run, those stages'
 first looks (step 2) come before everything after profiling: a small budget still tries every stage.
-Each such look, the stage's only one, leaves 5% of the memory limit free (lines.ONLY_LOOK_HEADROOM).
+Each such look, the stage's only one, leaves 10% of the memory limit free (lines.ONLY_LOOK_HEADROOM).
 
 What the steps share lives here: the score (higher is better whatever the metric), the incumbent,
 the interval of one measurement, near-ties, and the one global stop rule that gates every step: a
