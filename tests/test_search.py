@@ -977,6 +977,11 @@ def test_the_trial_budget_counts_re_measurements():
     t, _ = tuner(make_plan(stages=[0], mbs=MicroBatchRule("list", (12, 13))), land, tuner_type="gridsearch", remeasure=2, num_trials=3)
     out = t.tune()
     assert len(land.calls) == 3 and out.best is not None
+    # a re-measurement the budget stops is not reported as made (the README's first command said
+    # "re-measuring near-tied leaders" just before "stopped: tuner_num_trials=8 experiments run")
+    land = Landscape(spread=0.05)
+    out = tuner(make_plan(stages=[0], mbs=MicroBatchRule("list", (12, 13))), land, tuner_type="gridsearch", remeasure=2, num_trials=2)[0].tune()
+    assert len(land.calls) == 2 and out.notes == ["stopped: tuner_num_trials=2 experiments run"]
 
 
 # ---- several workers: proposals while other trials are in flight ---------------------------------------
@@ -1321,6 +1326,17 @@ def test_a_stage_s_only_look_on_a_tight_budget_stays_under_the_memory_limit():
     for c in looks:
         edge = max(m for m in range(1, 64) if land.peak(c["stage"], m) <= LIMIT)
         assert edge - 3 <= c["micro_batch"] <= edge
+
+    class PeakInside(StageBuffers):
+        def throughput(self, params):
+            return 100 * math.exp(-math.log(params["micro_batch"] / 8) ** 2) * (1.0 - 0.07 * params["stage"])
+
+    # where z0 peaks inside its line (7 of 1, 4, 7, 14), the looks go to its peak stretched to each stage's
+    # edge: the headroom caps a look, it does not move it (stretched to the lower edge, z1's went to 6)
+    land = PeakInside()
+    tuner(make_plan(), land, tuner_type="gridsearch", num_trials=7)[0].tune()
+    assert [c["micro_batch"] for c in land.calls if c["stage"] == 0] == [1, 4, 14, 7]
+    assert all(c["micro_batch"] >= 7 and land.peak_of(c) <= LIMIT for c in land.calls if c["stage"] > 0)
 
 
 class ScriptBroken(Landscape):

@@ -105,10 +105,12 @@ class Lines:
 
     def step(self, stage: int, runs: List[Measured], taken: set, target: float, only_look: bool = False) -> Optional[Step]:
         """The next size of the stage's default-knob line, or None when nothing on it can beat `target`.
-        `only_look`: the stage's one look on a tight budget, kept ONLY_LOOK_HEADROOM under the limit."""
+        `only_look`: the stage's one look on a tight budget, kept ONLY_LOOK_HEADROOM under the limit
+        (the line below is still stretched to the stage's edge: the look is capped, not moved)."""
         knobs = base_knobs(self.st.plan, stage)
         own, ooms, _ = self.line(runs, stage, knobs)
-        edge = self.edge(own, ooms, stage, headroom=ONLY_LOOK_HEADROOM if only_look else 0.0)
+        edge = self.edge(own, ooms, stage)
+        top = self.edge(own, ooms, stage, headroom=ONLY_LOOK_HEADROOM) if only_look else edge
         # the stage that leads by more than the noise gets a search of its own above its sizes; below
         # them, and everywhere for the others, the line below prices it
         leads = self._leads(runs, stage, target)
@@ -119,7 +121,7 @@ class Lines:
         # (`by_size`): two stages' ratio moves along the micro-batch (costs per step, each one's memory
         # pressure), so a ratio at micro-batch 1 (a profiling run) does not price the stretch around a
         # peak at 12 when the line has a point at 20
-        return self.line_step(stage, knobs, own, ooms, stretched(reference, ref_edge, self.line_edge(own, edge)), edge, taken, target, UNSEEN_STAGE,
+        return self.line_step(stage, knobs, own, ooms, stretched(reference, ref_edge, self.line_edge(own, edge)), top, taken, target, UNSEEN_STAGE,
                               reference_above=not leads, by_size=True, cover=COVER if leads else None, noise=self.st.margin(runs))
 
     def _leads(self, runs: List[Measured], stage: int, target: float) -> bool:

@@ -67,12 +67,14 @@ class Tuner:
         while True:
             self.ledger.refresh()
             again = self.ledger.to_run_again()
+            said = len(self.strategy.notes)
             step = Step(again[0], "run again: its experiment was cut off") if again else self.strategy.next(self.ledger)
+            if step is not None and self.ledger.spent >= self.s.num_trials:  # re-measurements and other workers' running trials count
+                del self.strategy.notes[said:]  # what the step would have done ("re-measuring ...") is not done
+                return "budget"
             self._flush_notes()
             if step is None:
                 return None
-            if self.ledger.spent >= self.s.num_trials:  # re-measurements and other workers' running trials count
-                return "budget"
             trial = self.ledger.claim(step.params, step.repeat_of)
             if trial is not None:
                 return trial, step
