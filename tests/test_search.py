@@ -739,6 +739,25 @@ def test_a_stage_with_no_stage_below_that_ran_is_priced_by_the_stage_above():
     assert z2 == [4], land.calls  # the old search: 4, 2, 3
 
 
+class Stage3PeaksInside(Stage2FitsFew):
+    """As 10b in the replay: z3 rises from 1 to its peak at 6 (per-step costs shared by more samples) and
+    falls long before its edge at 29 (memory pressure); z2, which fits 4, is far behind it everywhere."""
+
+    def throughput(self, params):
+        m = params["micro_batch"]
+        return 100 * m / (m + 3) * (math.exp(-math.log(m / 6) ** 2) if params["stage"] == 3 else 0.2)
+
+
+def test_a_line_pressed_into_a_smaller_edge_moves_its_fall_not_its_rise():
+    """z3's line (1, 4, then its edge 29, where it has fallen) stretched to z2's edge (4) put z3's value at
+    4 on z2 at 1: z2 at 1 was probed after its look at 4 (in the replay, 6 runs of 20 on 10b spent z2 at
+    1 and 2 so). Pressed into a smaller edge, the line keeps its rise: z2 at 1 is priced by z3 at 1."""
+    land = Stage3PeaksInside()
+    out = tuner(make_plan(), land, tuner_type="gridsearch")[0].tune()
+    assert [c["micro_batch"] for c in land.calls if c["stage"] == 2] == [4], land.calls  # the old search: 4, 1
+    assert out.best.params["stage"] == 3 and out.best.params["micro_batch"] in (6, 7)
+
+
 class Flat(Landscape):
     """A plateau: every stage within 0.5%, the peak at micro-batch 8 of an edge at 14."""
 

@@ -2,8 +2,8 @@
 
 A line is a stage with fixed knobs along the micro-batch. Every stage but the first gets one look,
 placed by the line of the stage below it (where none below ran, the stage above) stretched to its
-own memory edge; that run scales the prior, and the stage goes on only where the scaled line can
-still win. The stage that leads by more than the noise searches its own line above its sizes,
+own memory edge (pressed into a smaller edge, its fall moves and its rise does not); that run
+scales the prior, and the stage goes on only where the scaled line can still win. The stage that leads by more than the noise searches its own line above its sizes,
 memory edge first (on a CPU host no probe goes above CPU_EDGE_STEP times the largest run so far);
 below them the line below still prices it, having measured the rise there (and its fall, where it
 peaked inside). Above a size that ties its best, the leader leaves no stretch over COVER times wide
@@ -121,7 +121,7 @@ class Lines:
         # (`by_size`): two stages' ratio moves along the micro-batch (costs per step, each one's memory
         # pressure), so a ratio at micro-batch 1 (a profiling run) does not price the stretch around a
         # peak at 12 when the line has a point at 20
-        return self.line_step(stage, knobs, own, ooms, stretched(reference, ref_edge, self.line_edge(own, edge)), top, taken, target, UNSEEN_STAGE,
+        return self.line_step(stage, knobs, own, ooms, stretched(reference, ref_edge, self.line_edge(own, edge), keep_rise=True), top, taken, target, UNSEEN_STAGE,
                               reference_above=not leads, by_size=True, cover=COVER if leads else None, noise=self.st.margin(runs))
 
     def _leads(self, runs: List[Measured], stage: int, target: float) -> bool:

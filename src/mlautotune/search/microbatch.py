@@ -174,14 +174,20 @@ def linear_cap(own: Sequence[Point], m: int) -> float:
     return v * m / pm
 
 
-def stretched(points: Sequence[Point], edge: Optional[int], new_edge: Optional[int]) -> List[Point]:
+def stretched(points: Sequence[Point], edge: Optional[int], new_edge: Optional[int], keep_rise: bool = False) -> List[Point]:
     """A line moved to another memory edge: sizes scaled by new_edge / edge. Where throughput falls
-    before the edge it is memory pressure, which comes at the same fraction of the edge (GPU)."""
+    before the edge it is memory pressure, which comes at the same fraction of the edge (GPU).
+    `keep_rise`: moved to a smaller edge, no point is worth more than the line itself at its new
+    size. The rise with the micro-batch is per-step costs shared by more samples, which do not move
+    with the edge: pressed into a stage that fits 4 samples (10b's z2), z3's value at 4 would
+    otherwise price z2 at 1, and its value at 7 z2 at 2."""
     if not points or not edge or not new_edge or edge == new_edge:
         return list(points)
     moved: Dict[int, float] = {}
     for m, v in points:
         at = max(1, round(m * new_edge / edge))
+        if keep_rise and new_edge < edge:
+            v = min(v, interpolate(points, at))
         moved[at] = max(v, moved.get(at, v))
     return sorted(moved.items())
 
