@@ -3,8 +3,9 @@
 A line is a stage with fixed knobs along the micro-batch. Every stage but the first gets one look,
 placed by the line of the stage below it (where none below ran, the stage above) stretched to its
 own memory edge (pressed into a smaller edge, its fall moves and its rise does not); that run
-scales the prior, and the stage goes on only where the scaled line can still win. The stage that leads by more than the noise searches its own line above its sizes,
-memory edge first (on a CPU host no probe goes above CPU_EDGE_STEP times the largest run so far);
+scales the prior, and the stage goes on only where the scaled line can still win. The stage that
+leads by more than the noise searches its own line above its sizes, memory edge first (on a CPU
+host no probe goes above CPU_EDGE_STEP times the largest run so far);
 below them the line below still prices it, having measured the rise there (and its fall, where it
 peaked inside). Above a size that ties its best, the leader leaves no stretch over COVER times wide
 unmeasured: there the line's bound rests on the slope between two sizes near its top, which one
