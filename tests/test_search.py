@@ -1422,3 +1422,22 @@ def test_windows_cut_short_by_the_script_give_one_note_with_advice():
     assert sum(m.ok for m in out.measured) > 1
     out = tuner(plan, Landscape())[0].tune()  # windows that ended at their target or budget: no advice
     assert not [n for n in out.notes if "script ended" in n]
+
+
+def test_a_process_killed_between_a_trials_status_and_its_result_leaves_it_to_run_again(tmp_path):
+    """The ledger writes a finished experiment's result and status one attribute at a time; a process
+    SIGKILLed in between leaves a trial with an outcome but no result. Resumed, it is cut off like any
+    other: run again once, not taken as an earlier claim of the same params (the resume then claimed
+    it as a duplicate again and again, and never ended)."""
+    storage = f"sqlite:///{tmp_path / 'o.db'}"
+    params = {"stage": 0, "micro_batch": 1, "gas": 1}
+    t, study = tuner(make_plan(stages=[0]), Landscape(), storage)
+    dead = t.ledger.claim(params)
+    dead.set_user_attr("status", "ok")  # its process dies here, before the result is written
+    again, study = tuner(make_plan(stages=[0]), Landscape(), storage)
+    assert again.interrupted == [dead.number]
+    claimed = again.propose()
+    assert isinstance(claimed, tuple) and claimed[0].params == params and "again" in claimed[1].why
+    again.run(*claimed)
+    out = again.tune()
+    assert [m.params for m in out.measured].count(params) == 1

@@ -107,6 +107,8 @@ def trial_status(t: FrozenTrial) -> str:
     """ok, oom, failed, timeout, incomplete, interrupted (cut off), running, or pruned (a duplicate)."""
     if t.state == TrialState.RUNNING:
         return "running"
+    if t.state == TrialState.FAIL and "result" not in t.user_attrs:
+        return "interrupted"  # whatever else it holds: its process died between `record`'s writes
     return t.user_attrs.get("status") or ("interrupted" if t.state == TrialState.FAIL else t.state.name.lower())
 
 
