@@ -41,8 +41,21 @@ def test_a_lock_left_by_a_killed_build_is_stale_and_a_held_one_is_not(tmp_path, 
         holder.kill()
         holder.wait()
     assert ops.stale_locks(["ShareMemCommBuilder"]) == [str(lock)]  # its builder is gone
+    assert ops.on_local_disk(str(lock))
+    half_a_minute_ago = time.time() - 30
+    os.utime(lock, (half_a_minute_ago, half_a_minute_ago))
+    assert ops.stale_locks(["ShareMemCommBuilder"]) == [str(lock)]  # on a local disk no other machine may hold it
     os.utime(lock)
-    assert ops.stale_locks(["ShareMemCommBuilder"]) == []  # too young: a build on another machine sharing the cache may hold it
+    assert ops.stale_locks(["ShareMemCommBuilder"]) == []  # too young: its holder may have started while the processes were looked at
+
+
+def test_only_a_file_system_of_this_machine_s_own_counts_as_a_local_disk():
+    import psutil
+
+    kinds = {p.mountpoint: p.fstype for p in psutil.disk_partitions(all=True)}
+    assert ops.on_local_disk("/dev/shm/x") == (kinds.get("/dev/shm") == "tmpfs")
+    assert not ops.on_local_disk("/proc/self/status")  # proc: not a disk at all
+    assert "nfs" not in ops.LOCAL_FILESYSTEMS and "nfs4" not in ops.LOCAL_FILESYSTEMS and "lustre" not in ops.LOCAL_FILESYSTEMS
 
 
 def test_a_build_made_by_another_installation_counts_as_unbuilt(tmp_path, monkeypatch):
@@ -86,6 +99,26 @@ def test_a_build_that_the_ninja_on_path_would_redo_counts_as_unbuilt(tmp_path, m
     os.utime(source, (later, later))  # ninja would build again: here a newer source, there another version's log
     assert ops.unbuilt(["FusedAdamBuilder"]) == ["FusedAdamBuilder"]
     assert "no work to do" not in subprocess.run([shutil.which("ninja"), "-C", str(build), "-n"], capture_output=True, text=True).stdout
+
+
+@pytest.mark.e2e
+def test_a_build_waits_out_a_lock_that_a_killed_rank_left_and_removes_it(tmp_path):
+    """A rank SIGKILLed while it loaded an op (every rank takes torch's lock for a moment) leaves the
+    lock. The next session's build of a missing op went straight to torch's load, which waits on a
+    lock forever: 30 minutes, the build's timeout (a resumed session in CI). Here the op's objects
+    are kept, so its build is a quick relink."""
+    assert ops.unbuilt(["ShareMemCommBuilder", "FusedAdamBuilder"]) == [], "setup.sh builds the ops"
+    cache = tmp_path / "torch_extensions"
+    shutil.copytree(Path(_get_build_directory("fused_adam", verbose=False)).parent, cache, ignore=shutil.ignore_patterns("lock"))
+    (cache / "fused_adam" / "fused_adam.so").unlink()
+    (cache / "fused_adam" / "lock").touch()  # just left: younger than its grace
+    config = tmp_path / "ds.json"
+    config.write_text('{"optimizer": {"type": "AdamW"}}')
+    done = subprocess.run([sys.executable, "-m", "mlautotune.ops", str(config)], env={**os.environ, "TORCH_EXTENSIONS_DIR": str(cache)},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "waiting for" in done.stdout and "left by a DeepSpeed op build that was killed" in done.stdout, done.stdout
+    assert (cache / "fused_adam" / "fused_adam.so").is_file() and not (cache / "fused_adam" / "lock").exists()
 
 
 @pytest.mark.e2e

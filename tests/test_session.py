@@ -58,7 +58,10 @@ def output(proc) -> str:
 
 
 def finish(proc, timeout=600):
-    proc.wait(timeout=timeout)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the session did not end in {timeout} s\n{hang_report(proc)}") from None
     return proc.returncode, output(proc)
 
 

@@ -25,8 +25,13 @@ OPTIMIZER_OPS = {
     "adagrad": (None, "CPUAdagradBuilder"),
 }
 COMM_OP = "ShareMemCommBuilder"  # loaded by deepspeed.comm's torch backend at init (CPU accelerator)
-STALE_LOCK_GRACE_S = 120.0
-STALE_LOCK_SWEEP_S = 30.0  # how often a running experiment that has measured nothing yet looks for one
+# A build lock that no process here holds open is stale once older than this: on a local disk a few
+# seconds (a process that takes a lock while we look is missed by the look), on a shared one (NFS,
+# Lustre, ...) long enough for a build that another machine may be running in the same cache.
+LOCAL_LOCK_GRACE_S = 10.0
+SHARED_LOCK_GRACE_S = 120.0
+STALE_LOCK_SWEEP_S = 10.0  # how often a running experiment that has measured nothing yet looks for one
+LOCAL_FILESYSTEMS = {"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "tmpfs", "ramfs", "overlay", "jfs", "reiserfs"}
 
 
 def needed(ds_config: Optional[Dict[str, Any]]) -> List[str]:
@@ -113,23 +118,34 @@ def up_to_date(build_dir: str) -> bool:
     return run.returncode == 0 and "no work to do" in run.stdout
 
 
-def stale_locks(names: List[str], grace_s: float = STALE_LOCK_GRACE_S) -> List[str]:
-    """Build locks left by a build that was killed: torch waits on such a lock forever, so every
-    experiment would hang at start-up. torch's FileBaton holds its lock file open until the build
-    is over, so a lock no process here holds open is stale. `grace_s` spares a build that another
-    machine may be running in a shared home folder's cache just now."""
-    import time
-
+def _lock(name: str) -> Optional[str]:
+    """The build lock torch takes for this op builder's cache folder (None: no such builder here)."""
     from torch.utils.cpp_extension import _get_build_directory
 
+    builder = _builder(name)
+    return None if builder is None else os.path.join(_get_build_directory(builder.name, verbose=False), "lock")
+
+
+def on_local_disk(path: str) -> bool:
+    """The file system that holds `path` is one only this machine writes to."""
+    import psutil
+
+    real = os.path.realpath(path)
+    mounts = [p for p in psutil.disk_partitions(all=True) if real == p.mountpoint or real.startswith(p.mountpoint.rstrip("/") + "/")]
+    return bool(mounts) and max(mounts, key=lambda p: len(p.mountpoint)).fstype in LOCAL_FILESYSTEMS
+
+
+def stale_locks(names: List[str]) -> List[str]:
+    """Build locks left by a build that was killed: torch waits on such a lock forever, so every
+    experiment would hang at start-up. torch's FileBaton holds its lock file open until the build
+    is over, so a lock no process here holds open, and older than its grace, is stale."""
+    import time
+
     found = []
-    for name in names:
-        builder = _builder(name)
-        if builder is None:
-            continue
-        lock = os.path.join(_get_build_directory(builder.name, verbose=False), "lock")
+    for lock in filter(None, map(_lock, names)):
         try:
-            if time.time() - os.path.getmtime(lock) > grace_s and not _held_open(lock):
+            age = time.time() - os.path.getmtime(lock)  # OSError: no lock
+            if age > (LOCAL_LOCK_GRACE_S if on_local_disk(lock) else SHARED_LOCK_GRACE_S) and not _held_open(lock):
                 found.append(lock)
         except OSError:
             pass
@@ -140,12 +156,31 @@ def remove_stale_locks(ds_config: Optional[Dict[str, Any]], say) -> None:
     """Remove the stale locks of the ops this config loads. Every rank takes the lock for a moment
     when it loads an op, even a built one: a rank killed in that moment (its worker SIGKILLed, an
     experiment timed out) leaves it, and the ranks already waiting on it go on once it is gone."""
-    for lock in stale_locks(needed(ds_config)):
+    _remove(stale_locks(needed(ds_config)), say)
+
+
+def _remove(locks: List[str], say) -> None:
+    for lock in locks:
         say(f"mlautotune: removing {lock}, left by a DeepSpeed op build that was killed (it would make every experiment wait forever)")
         try:
             os.unlink(lock)
         except FileNotFoundError:
             pass  # another worker removed it first
+
+
+def wait_for_locks(names: List[str], say) -> None:
+    """Until no build lock of these ops is left: a build would wait on one forever, like torch. A
+    stale one is removed once past its grace; a live one is another process's build of the op."""
+    import time
+
+    told = False
+    while locks := [lock for lock in filter(None, map(_lock, names)) if os.path.exists(lock)]:
+        _remove(stale_locks(names), say)
+        if not told and any(os.path.exists(lock) for lock in locks):
+            say(f"mlautotune: waiting for {', '.join(locks)}: another process is building the op, or a killed build left the lock "
+                f"(removed once no process holds it and it is {LOCAL_LOCK_GRACE_S:.0f} s old, {SHARED_LOCK_GRACE_S:.0f} s on a shared file system)")
+            told = True
+        time.sleep(1.0)
 
 
 def _held_open(path: str) -> bool:
@@ -184,6 +219,7 @@ def ensure_built(ds_config: Optional[Dict[str, Any]], say) -> float:
     if not missing:
         return 0.0
     started = time.monotonic()
+    wait_for_locks(missing, say)
     say(f"mlautotune: building DeepSpeed's {accelerator()} ops ({', '.join(missing)}), once per machine; this time is not part of any experiment ...")
     try:
         done = build(missing)
