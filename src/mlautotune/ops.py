@@ -118,12 +118,11 @@ def up_to_date(build_dir: str) -> bool:
     return run.returncode == 0 and "no work to do" in run.stdout
 
 
-def _lock(name: str) -> Optional[str]:
-    """The build lock torch takes for this op builder's cache folder (None: no such builder here)."""
+def _locks(names: List[str]) -> List[str]:
+    """The build locks torch takes for these op builders' cache folders (a builder this machine lacks has none)."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    builder = _builder(name)
-    return None if builder is None else os.path.join(_get_build_directory(builder.name, verbose=False), "lock")
+    return [os.path.join(_get_build_directory(b.name, verbose=False), "lock") for b in map(_builder, names) if b is not None]
 
 
 def on_local_disk(path: str) -> bool:
@@ -139,10 +138,14 @@ def stale_locks(names: List[str]) -> List[str]:
     """Build locks left by a build that was killed: torch waits on such a lock forever, so every
     experiment would hang at start-up. torch's FileBaton holds its lock file open until the build
     is over, so a lock no process here holds open, and older than its grace, is stale."""
+    return _stale(_locks(names))
+
+
+def _stale(locks: List[str]) -> List[str]:
     import time
 
     found = []
-    for lock in filter(None, map(_lock, names)):
+    for lock in locks:
         try:
             age = time.time() - os.path.getmtime(lock)  # OSError: no lock
             if age > (LOCAL_LOCK_GRACE_S if on_local_disk(lock) else SHARED_LOCK_GRACE_S) and not _held_open(lock):
@@ -173,11 +176,11 @@ def wait_for_locks(names: List[str], say) -> None:
     stale one is removed once past its grace; a live one is another process's build of the op."""
     import time
 
-    told = False
-    while locks := [lock for lock in filter(None, map(_lock, names)) if os.path.exists(lock)]:
-        _remove(stale_locks(names), say)
-        if not told and any(os.path.exists(lock) for lock in locks):
-            say(f"mlautotune: waiting for {', '.join(locks)}: another process is building the op, or a killed build left the lock "
+    locks, told = _locks(names), False
+    while present := [lock for lock in locks if os.path.exists(lock)]:
+        _remove(_stale(present), say)
+        if not told and any(os.path.exists(lock) for lock in present):
+            say(f"mlautotune: waiting for {', '.join(present)}: another process is building the op, or a killed build left the lock "
                 f"(removed once no process holds it and it is {LOCAL_LOCK_GRACE_S:.0f} s old, {SHARED_LOCK_GRACE_S:.0f} s on a shared file system)")
             told = True
         time.sleep(1.0)

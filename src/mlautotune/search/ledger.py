@@ -109,7 +109,7 @@ def trial_status(t: FrozenTrial) -> str:
         return "running"
     if t.state == TrialState.FAIL and "result" not in t.user_attrs:
         return "interrupted"  # whatever else it holds: its process died between `record`'s writes
-    return t.user_attrs.get("status") or ("interrupted" if t.state == TrialState.FAIL else t.state.name.lower())
+    return t.user_attrs.get("status") or t.state.name.lower()
 
 
 class Budget(Exception):
