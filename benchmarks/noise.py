@@ -31,11 +31,11 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from mlautotune.config import MeasureConf
-from mlautotune.experiment import Experiment, Resources, prepare, run_experiment
+from mlautotune.inputs.config import MeasureConf
+from mlautotune.run.experiment import Experiment, Resources, prepare, run_experiment
 from mlautotune.files import read_json
-from mlautotune.measure import thread_env
-from mlautotune.session import BUNDLED_CONFIG
+from mlautotune.run.measure import thread_env
+from mlautotune.inputs.config import BUNDLED_CONFIG
 from mlautotune.workloads import GPT_SCRIPT
 
 RANKS = 2

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from mlautotune.experiment import Experiment, Resources, run_experiment
+from mlautotune.run.experiment import Experiment, Resources, run_experiment
 from mlautotune.files import read_json
 from mlautotune.workloads import GPT_SCRIPT as WORKLOAD
 

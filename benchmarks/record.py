@@ -39,11 +39,11 @@ from hydra import compose, initialize_config_dir
 
 sys.path.insert(0, str(Path(__file__).parent))
 from landscape import key, load, save, settle, signed_metric  # noqa: E402
-from mlautotune.experiment import prepare  # noqa: E402
-from mlautotune.config import register_configs  # noqa: E402
+from mlautotune.run.experiment import prepare  # noqa: E402
+from mlautotune.inputs.config import register_configs  # noqa: E402
 from mlautotune.search import base_params, product  # noqa: E402
 from mlautotune.session import open_session  # noqa: E402
-from mlautotune.space import tuned_knobs  # noqa: E402
+from mlautotune.inputs.space import tuned_knobs  # noqa: E402
 
 CONF = Path(__file__).resolve().parent.parent / "src" / "mlautotune" / "conf"
 

@@ -50,10 +50,10 @@ def run_product(land: Dict[str, Any], runner: LandscapeRunner, tuner_type: str, 
     import optuna
     import yaml
 
-    from mlautotune.config import AutotuningConf, SearchConf
-    from mlautotune.experiment import Experiment, Resources, Result
+    from mlautotune.inputs.config import AutotuningConf, SearchConf
+    from mlautotune.run.experiment import Experiment, Resources, Result
     from mlautotune.search import SearchSettings, Tuner
-    from mlautotune.space import MicroBatchRule, TuningPlan
+    from mlautotune.inputs.space import MicroBatchRule, TuningPlan
 
     p, at, search = land["plan"], AutotuningConf(), SearchConf()
     plan = TuningPlan(stages=list(p["stages"]), knobs={int(s): v for s, v in p["knobs"].items()},

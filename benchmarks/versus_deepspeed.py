@@ -46,9 +46,9 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from mlautotune import ops
-from mlautotune.experiment import Experiment, Resources, run_experiment
-from mlautotune.lifeline import SHM_DIR as SHM, release_shared_memory
+from mlautotune.run import ops
+from mlautotune.run.experiment import Experiment, Resources, run_experiment
+from mlautotune.run.lifeline import SHM_DIR as SHM, release_shared_memory
 
 VENV_BIN = Path(sys.executable).parent
 SCRIPT = Path(__file__).with_name("gpt_any_config.py")  # gpt.py, also reading the base64 config DeepSpeed's autotuner passes

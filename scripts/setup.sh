@@ -11,7 +11,7 @@ PYTHON=${PYTHON:-python3}
 # DeepSpeed compiles its ops on first use (about 100 s on CPU): do it now, once per machine, not inside an experiment.
 # With .venv/bin first on PATH, as after `. .venv/bin/activate`: the ninja that builds them is the one the
 # experiments' ranks run (the system's, if there is one, would rebuild them in the first experiment).
-PATH="$PWD/.venv/bin:$PATH" .venv/bin/python -m mlautotune.ops 2>&1 | grep -v "real_accelerator.py" || true
+PATH="$PWD/.venv/bin:$PATH" .venv/bin/python -m mlautotune.run.ops 2>&1 | grep -v "real_accelerator.py" || true
 # PostgreSQL for the shared-session tests (tests/test_workers.py starts it through scripts/services.sh).
 bash scripts/services.sh install || echo "mlautotune: warning: without PostgreSQL, tests/test_workers.py fails (shared sessions need it, see README)"
 echo "mlautotune: environment ready in .venv"

@@ -6,7 +6,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mlautotune.experiment import Experiment, Resources
+from mlautotune.run.experiment import Experiment, Resources
 from mlautotune.workloads import GPT_SCRIPT
 
 TINY_MODEL = ["--num_layers", "1", "--hidden_size", "32", "--num_heads", "2", "--seq_len", "32", "--vocab_size", "256"]

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import optuna
 from optuna.trial import TrialState
 
-from mlautotune.cluster import Heartbeat, claim_once, storage
+from mlautotune.search.cluster import Heartbeat, claim_once, storage
 
 
 def test_exactly_one_claim_per_session_and_purpose(tmp_path):

@@ -4,12 +4,12 @@ import json
 import subprocess
 import sys
 
-from mlautotune import cpu_features
+from mlautotune.run import cpu_features
 
 ASK = """
 import json, sys, time
 import cpuinfo
-from mlautotune import cpu_features
+from mlautotune.run import cpu_features
 path = cpu_features.install(sys.argv[1])
 from cpuinfo import get_cpu_info  # as DeepSpeed's op builders import it, inside their methods
 start = time.perf_counter()

@@ -16,11 +16,11 @@ from conftest import TINY_MODEL
 from hydra import compose, initialize_config_dir
 from test_bad_inputs import run_cli
 
-from mlautotune.config import register_configs, settings
-from mlautotune.lifeline import release_shared_memory
+from mlautotune.inputs.config import register_configs, settings
+from mlautotune.run.lifeline import release_shared_memory
 from mlautotune.search import base_params, first_experiments
 from mlautotune.session import is_hf_trainer
-from mlautotune.space import build_plan, experiment_config, experiment_name, plan_text
+from mlautotune.inputs.space import build_plan, experiment_config, experiment_name, plan_text
 from mlautotune.workloads import GPT_SCRIPT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -255,7 +255,7 @@ def test_hf_trainer_script_tunes_with_auto_and_no_arg_mappings_and_its_optimal_c
 def test_cmd_optimal_is_the_experiment_command_with_arg_mappings_at_any_depth(tmp_path):
     """One builder: cmd_optimal maps nested keys (like DeepSpeed's get_val_by_key) exactly as the experiment did."""
     from mlautotune.commands import optimal_cmd
-    from mlautotune.experiment import plain_command
+    from mlautotune.run.experiment import plain_command
     from mlautotune.session import open_session
 
     ds = {"zero_optimization": {"stage": [1, 2]}, "train_micro_batch_size_per_gpu": 2,

@@ -12,9 +12,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mlautotune import cpu_features, probe
+from mlautotune.run import cpu_features, probe
 from mlautotune.errors import UserError
-from mlautotune.experiment import (Resources, classify, experiment_args, launch_command, port_is_free, reserve_port,
+from mlautotune.run.experiment import (Resources, classify, experiment_args, launch_command, port_is_free, reserve_port,
                                    run_experiment, world_size)
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -66,7 +66,7 @@ def test_launch_command_goes_through_the_deepspeed_launcher_with_the_probe(tiny_
     assert cmd[1:4] == ["-u", "-m", "deepspeed.launcher.runner"]
     assert cmd[cmd.index("--num_gpus") + 1] == "2" and cmd[cmd.index("--launcher") + 1] == "openmpi"
     assert "--bind_cores_to_rank" in cmd and "--hostfile" not in cmd and "--include" not in cmd
-    assert cmd[-8:] == ["--master_port", "29611", "--module", "mlautotune.probe", str(tmp_path), exp.script, "--a", "1"]
+    assert cmd[-8:] == ["--master_port", "29611", "--module", "mlautotune.run.probe", str(tmp_path), exp.script, "--a", "1"]
     exp.resources = Resources(num_gpus=2)  # DeepSpeed's default launcher (pdsh) is not spelt out, in the user's command either
     assert "--launcher" not in launch_command(exp, tmp_path, 29611, []) and "--launcher" not in launch_command(exp, tmp_path, 0, [], probed=False)
 
@@ -125,7 +125,7 @@ def test_every_zero_stage_is_measured(stage, tiny_experiment, tmp_path, leftover
         assert (d / name).is_file(), name
     assert json.loads((d / "ds_config.json").read_text()) == exp.ds_config
     assert json.loads((d / "exp.json").read_text())["master_port"] != base_port
-    assert "--module mlautotune.probe" in (d / "cmd.txt").read_text()
+    assert "--module mlautotune.run.probe" in (d / "cmd.txt").read_text()
     # arg_mappings reached the script: it parsed the experiment's values, not the user's --per_device_train_batch_size 1
     assert (d / "stdout.log").read_text().count("gpt.py flags: per_device_train_batch_size=3 gradient_accumulation_steps=2") == 2
 
@@ -260,7 +260,7 @@ def test_a_lock_left_by_a_rank_killed_while_loading_an_op_does_not_hang_the_next
     waited on it until its timeout (seen in the workers test). The experiment's wait removes it once stale."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    from mlautotune import ops
+    from mlautotune.run import ops
 
     monkeypatch.setattr(ops, "STALE_LOCK_SWEEP_S", 1.0)
     lock = Path(_get_build_directory("deepspeed_shm_comm", verbose=False)) / "lock"

@@ -12,11 +12,11 @@ import time
 
 import psutil
 
-from mlautotune.lifeline import SHM_DIR, Lifeline
+from mlautotune.run.lifeline import SHM_DIR, Lifeline
 
 RANK = textwrap.dedent("""
     import sys, time
-    from mlautotune.lifeline import hold
+    from mlautotune.run.lifeline import hold
     host, port, token = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     assert hold((host, port), token)
     print("holding", flush=True)
@@ -25,7 +25,7 @@ RANK = textwrap.dedent("""
 
 TUNER = textwrap.dedent("""
     import time
-    from mlautotune.lifeline import tuner_lifeline
+    from mlautotune.run.lifeline import tuner_lifeline
     host, port = tuner_lifeline().address
     print(host, port, flush=True)
     time.sleep(120)
@@ -34,7 +34,7 @@ TUNER = textwrap.dedent("""
 
 BUFFER_RANK = textwrap.dedent("""
     import sys, time
-    from mlautotune.lifeline import hold
+    from mlautotune.run.lifeline import hold
     open(sys.argv[1], "wb").close()  # what DeepSpeed's shm all-reduce creates, and never removes
     if len(sys.argv) > 2:
         assert hold((sys.argv[2], int(sys.argv[3])), sys.argv[4])

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from mlautotune import measure
-from mlautotune.config import MeasureConf
-from mlautotune.experiment import run_experiment
-from mlautotune.probe import Probe
+from mlautotune.run import measure
+from mlautotune.inputs.config import MeasureConf
+from mlautotune.run.experiment import run_experiment
+from mlautotune.run.probe import Probe
 
 SETTINGS = {"target_interval": 0.02, "budget_s": 3.0, "max_warmup_steps": 10, "warmup_tolerance": 0.1, "confidence": 0.95,
             "check_every": 2, "adaptive": True, "max_cpu_wait": 0.05, "pin_cpu_ranks": True}
@@ -219,7 +219,7 @@ def test_defaults_are_in_conf_and_keep_an_experiment_short():
 def test_measure_settings_out_of_range_are_a_user_error(bad):
     from omegaconf import OmegaConf
 
-    from mlautotune.config import MLAutotuneConf, validate
+    from mlautotune.inputs.config import MLAutotuneConf, validate
     from mlautotune.errors import UserError
 
     cfg = OmegaConf.structured(MLAutotuneConf)
@@ -255,7 +255,7 @@ def test_pin_rank_pins_the_calling_process_to_its_share():
     if not hasattr(os, "sched_setaffinity"):
         pytest.skip("no CPU affinity on this OS")
     cores = sorted(os.sched_getaffinity(0))
-    code = "import json, os; from mlautotune import measure; print(json.dumps([measure.pin_rank(), sorted(os.sched_getaffinity(0))]))"
+    code = "import json, os; from mlautotune.run import measure; print(json.dumps([measure.pin_rank(), sorted(os.sched_getaffinity(0))]))"
     env = {**os.environ, measure.PIN_VARIABLE: "1", "LOCAL_RANK": str(len(cores) - 1)}
     pinned, affinity = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout)
     assert pinned == affinity == [cores[-1]]  # the last local rank, one core each: the last core

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mlautotune.memory import MemoryModel, optimizer_bytes
+from mlautotune.search.memory import MemoryModel, optimizer_bytes
 
 GiB = 2**30
 ADAM = {"optimizer": {"type": "AdamW"}}

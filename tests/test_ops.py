@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from torch.utils.cpp_extension import _get_build_directory
 
-from mlautotune import ops
+from mlautotune.run import ops
 
 
 def test_needed_follows_the_optimizer_and_its_offload():
@@ -114,7 +114,7 @@ def test_a_build_waits_out_a_lock_that_a_killed_rank_left_and_removes_it(tmp_pat
     (cache / "fused_adam" / "lock").touch()  # just left: younger than its grace
     config = tmp_path / "ds.json"
     config.write_text('{"optimizer": {"type": "AdamW"}}')
-    done = subprocess.run([sys.executable, "-m", "mlautotune.ops", str(config)], env={**os.environ, "TORCH_EXTENSIONS_DIR": str(cache)},
+    done = subprocess.run([sys.executable, "-m", "mlautotune.run.ops", str(config)], env={**os.environ, "TORCH_EXTENSIONS_DIR": str(cache)},
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "waiting for" in done.stdout and "left by a DeepSpeed op build that was killed" in done.stdout, done.stdout

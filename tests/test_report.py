@@ -1,7 +1,7 @@
 """The session's report files, from an outcome built directly (no launches)."""
 
-from mlautotune.experiment import Result
-from mlautotune.report import write_reports
+from mlautotune.run.experiment import Result
+from mlautotune.track.report import write_reports
 from mlautotune.search.ledger import Measured
 from mlautotune.search.tuner import Outcome
 
@@ -28,7 +28,7 @@ def test_plots_of_a_session_where_every_experiment_failed_warn_nothing(tmp_path)
     the user sees no matplotlib warning about an empty legend."""
     import warnings
 
-    from mlautotune.report import plot_session
+    from mlautotune.track.report import plot_session
 
     failed = Measured({"stage": 0, "micro_batch": 1, "gas": 1}, Result("z0_gas1_tmbspg1", "failed", {}, "ModuleNotFoundError", 1.0, "", 1), 0, None)
     outcome = Outcome(best=None, stage_best={}, measured=[failed], experiments=1)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from mlautotune import runner_process
+from mlautotune.run import runner_process
 
 RANK = """
 import json, os, sys

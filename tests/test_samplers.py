@@ -10,9 +10,9 @@ import statistics
 
 import pytest
 
-from mlautotune.samplers import ModelBasedSampler, make_chooser
-from mlautotune.samplers.choosers import RandomChoice
-from mlautotune.samplers.cost_model import CostModel
+from mlautotune.search.samplers import ModelBasedSampler, make_chooser
+from mlautotune.search.samplers.choosers import RandomChoice
+from mlautotune.search.samplers.cost_model import CostModel
 
 SPACE = {"micro_batch": [1, 2, 4, 8, 16, 32], "reduce_bucket_size": [50000000, 500000000, 1000000000], "overlap_comm": [True, False]}
 ALL = [dict(zip(SPACE, values)) for values in itertools.product(*SPACE.values())]
@@ -150,7 +150,7 @@ def test_model_based_adds_up_knob_effects_under_the_noise_and_picks_the_best_unt
 
 
 def test_knob_effects_only_where_the_candidates_share_a_stage_and_micro_batch_with_three_measured():
-    from mlautotune.samplers.model_based import knob_effects
+    from mlautotune.search.samplers.model_based import knob_effects
 
     done = [(p, knob_value(p)) for p in COMBOS[:3]]
     assert knob_effects(COMBOS[3:], done[:2], True) is None  # two measured: no effects yet

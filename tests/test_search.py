@@ -12,10 +12,10 @@ import optuna
 import pytest
 
 from mlautotune.console import Console
-from mlautotune.experiment import Experiment, Resources, Result
+from mlautotune.run.experiment import Experiment, Resources, Result
 from mlautotune.search import SearchSettings, Tuner
 from mlautotune.search.knobs import KNOB_STARTUP
-from mlautotune.space import MicroBatchRule, TuningPlan
+from mlautotune.inputs.space import MicroBatchRule, TuningPlan
 
 GiB = 2**30
 LIMIT = 4 * GiB

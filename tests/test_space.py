@@ -8,9 +8,9 @@ import hjson
 import pytest
 from hydra import compose, initialize_config_dir
 
-from mlautotune.config import load_ds_config, register_configs, settings
+from mlautotune.inputs.config import load_ds_config, register_configs, settings
 from mlautotune.errors import UserError
-from mlautotune.space import build_plan, experiment_config, experiment_name, knob_combos, plan_text
+from mlautotune.inputs.space import build_plan, experiment_config, experiment_name, knob_combos, plan_text
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

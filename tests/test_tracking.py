@@ -19,8 +19,8 @@ from mlautotune.errors import UserError
 from mlautotune.files import inside, safe_name
 from mlautotune.redact import MASK, redact, redact_args, redact_text, remember_secrets, secret_key
 from mlautotune.session import SessionLock
-from mlautotune.space import experiment_name
-from mlautotune.tracking import Tracker, child_payload, clean_key
+from mlautotune.inputs.space import experiment_name
+from mlautotune.track.tracking import Tracker, child_payload, clean_key
 
 SECRETS = ("DBPASS77", "TRACKPASS77", "TOKEN77xyz", "COMETKEY77")
 

@@ -197,7 +197,7 @@ def test_workers_on_other_devices_join_the_same_session():
     from hydra import compose, initialize_config_dir
 
     from mlautotune.cli import CONF_DIR
-    from mlautotune.config import register_configs
+    from mlautotune.inputs.config import register_configs
     from mlautotune.session import identity
 
     register_configs()

@@ -7,7 +7,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from mlautotune.config import COMMANDS, register_configs, validate_command
+from mlautotune.inputs.config import COMMANDS, register_configs, validate_command
 from mlautotune.errors import UserError
 
 HELP = """\

@@ -14,15 +14,15 @@ from omegaconf import DictConfig, OmegaConf
 from mlautotune.console import Console
 from mlautotune.errors import UserError
 from mlautotune.files import atomic_write_text, read_json
-from mlautotune.experiment import plain_command, prepare
-from mlautotune.measure import WINDOW_KEYS, cut_short_note
-from mlautotune.mlproject import KEYS
+from mlautotune.run.experiment import plain_command, prepare
+from mlautotune.run.measure import WINDOW_KEYS, cut_short_note
+from mlautotune.inputs.config import MLPROJECT_KEYS as KEYS
 from mlautotune.redact import redact, redact_args, redact_text
-from mlautotune.report import PROVENANCE_KEY, report_artifacts, session_metrics, write_reports
+from mlautotune.track.report import PROVENANCE_KEY, report_artifacts, session_metrics, write_reports
 from mlautotune.search import Outcome, Tuner, first_experiments
 from mlautotune.session import SESSION_FILE, Session, hardware_params, open_session
-from mlautotune.space import plan_text
-from mlautotune.tracking import Tracker, TrackingObserver, child_payload, flatten, mlflow_status, parent_status
+from mlautotune.inputs.space import plan_text
+from mlautotune.track.tracking import Tracker, TrackingObserver, child_payload, flatten, mlflow_status, parent_status
 
 
 class SessionFailed(Exception):
@@ -131,7 +131,7 @@ def _fail_on_os_error(session: Session, study, tracker: Tracker, outcome: Outcom
 
 
 def summary_text(outcome: Outcome, session: Session) -> str:
-    from mlautotune.report import summary_table
+    from mlautotune.track.report import summary_table
 
     return summary_table(outcome, session.plan.stages)
 

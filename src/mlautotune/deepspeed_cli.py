@@ -16,7 +16,7 @@ from typing import List, Optional
 from mlautotune.cli import fail, hydra_quote
 from mlautotune.cli import main as mlautotune_main
 from mlautotune.errors import UserError
-from mlautotune.scriptargs import DEEPSPEED_CONFIG_FLAGS, get_flag
+from mlautotune.inputs.scriptargs import DEEPSPEED_CONFIG_FLAGS, get_flag
 
 # DeepSpeed launcher switches passed on as they are (LauncherConf.launcher_args).
 SWITCHES = ("no_ssh", "no_ssh_check", "force_multi", "bind_cores_to_rank", "save_pid")

@@ -6,19 +6,9 @@ import sys
 
 from mlautotune import cli
 from mlautotune.cli import hydra_quote
+from mlautotune.inputs.config import MLPROJECT_KEYS
 
-# MLproject parameter -> Hydra key
-KEYS = {
-    "config": "config",
-    "script": "script",
-    "script_args": "script_args",
-    "mode": "mode",
-    "num_gpus": "launcher.num_gpus",
-    "num_nodes": "launcher.num_nodes",
-    "hostfile": "launcher.hostfile",
-    "tuner_type": "autotuning.tuner_type",
-    "results_dir": "autotuning.results_dir",
-}
+KEYS = MLPROJECT_KEYS
 
 
 def overrides(argv: list) -> list:

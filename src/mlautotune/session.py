@@ -15,22 +15,20 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from mlautotune import config as configlib
+from mlautotune.inputs import config as configlib
+from mlautotune.inputs.config import BUNDLED_CONFIG, BUNDLED_SCRIPT
 from mlautotune.errors import UserError
-from mlautotune.experiment import Experiment, Resources, Result, run_experiment, world_size
+from mlautotune.run.experiment import Experiment, Resources, Result, run_experiment, world_size
 from mlautotune.files import atomic_write_json, inside, read_json
-from mlautotune.inputs import (check_mp_size, check_resources, check_script, check_storage, check_tracking_uri, check_writable, given_path,
+from mlautotune.inputs.checks import (check_mp_size, check_resources, check_script, check_storage, check_tracking_uri, check_writable, given_path,
                                is_hf_trainer, split_args)
-from mlautotune.measure import thread_env, usable_cores
-from mlautotune.ops import accelerator_name
+from mlautotune.run.measure import thread_env, usable_cores
+from mlautotune.run.ops import accelerator_name
 from mlautotune.redact import remember_secrets
-from mlautotune.results_folder import SESSION_FILE, SessionLock, archive_previous_session, check_owner
+from mlautotune.inputs.results_folder import SESSION_FILE, SessionLock, archive_previous_session, check_owner
 from mlautotune.search import SearchSettings
-from mlautotune.space import TuningPlan, build_plan, experiment_config, experiment_name
+from mlautotune.inputs.space import TuningPlan, build_plan, experiment_config, experiment_name
 
-PACKAGE_DIR = Path(__file__).parent
-BUNDLED_CONFIG = PACKAGE_DIR / "examples" / "ds_config.json"
-BUNDLED_SCRIPT = PACKAGE_DIR / "workloads" / "gpt.py"
 # Settings that do not change what a session measures: changing them resumes the same session.
 NOT_IDENTITY = ("results_dir", "exps_dir", "overwrite", "tuner_num_trials", "tuner_early_stopping", "experiment_timeout", "final_training_timeout")
 
@@ -125,7 +123,7 @@ class Session:
         of a worker that died is failed after 4 missed beats and run again by another."""
         from sqlalchemy.exc import OperationalError
 
-        from mlautotune.cluster import storage
+        from mlautotune.search.cluster import storage
         from mlautotune.redact import redact_text
 
         beat = self.cfg.search.heartbeat_seconds
@@ -229,7 +227,7 @@ def _results_dir(cfg: DictConfig) -> Path:
 
 
 def default_memory_limit(device: str, resources: Resources, ws: int) -> int:
-    from mlautotune.memory import default_limit
+    from mlautotune.search.memory import default_limit
 
     return default_limit(device, local_ranks(resources, ws))
 

@@ -22,8 +22,8 @@ import optuna
 from omegaconf import DictConfig, OmegaConf
 from optuna.trial import TrialState
 
-from mlautotune.experiment import prepare
-from mlautotune.cluster import Heartbeat, claim_once
+from mlautotune.run.experiment import prepare
+from mlautotune.search.cluster import Heartbeat, claim_once
 from mlautotune.commands import _raise_interrupt, finish, lr_advice, parent_params, session_console, session_tracker
 from mlautotune.console import Console
 from mlautotune.errors import UserError
@@ -31,7 +31,7 @@ from mlautotune.files import atomic_write_text
 from mlautotune.redact import redact, redact_text
 from mlautotune.search import Tuner
 from mlautotune.session import Session, open_session
-from mlautotune.tracking import PARENT_KEY, Tracker, TrackingObserver
+from mlautotune.track.tracking import PARENT_KEY, Tracker, TrackingObserver
 
 WORKER_ATTR = "worker"  # trial user attribute: host:pid of the worker that ran it
 PARENT_WAIT_S = 120  # how long a joining worker waits for the first one to create the parent run

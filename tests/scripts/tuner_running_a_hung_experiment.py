@@ -6,7 +6,7 @@ Usage: python tuner_running_a_hung_experiment.py <results_dir> <marker>
 import sys
 from pathlib import Path
 
-from mlautotune.experiment import Experiment, Resources, run_experiment
+from mlautotune.run.experiment import Experiment, Resources, run_experiment
 
 results_dir, marker = sys.argv[1], sys.argv[2]
 script = Path(__file__).with_name("sleep_forever.py")

@@ -7,7 +7,7 @@ from typing import Any, Dict, List
 
 from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
 
-from mlautotune.space import TuningPlan, knob_combos, tuned_knobs
+from mlautotune.inputs.space import TuningPlan, knob_combos, tuned_knobs
 
 MAX_SIZE = 1 << 16  # micro-batch and gradient accumulation distributions: 1 .. 65536, log scale
 

@@ -18,7 +18,7 @@ import math
 import statistics
 from typing import Any, Dict, List, Optional, Tuple
 
-from mlautotune.samplers.cost_model import CostModel
+from mlautotune.search.samplers.cost_model import CostModel
 from mlautotune.search.candidates import base_knobs, knobs_of_params, params_key, stage_knob_combos, with_knobs
 from mlautotune.search.ledger import Ledger, Measured
 from mlautotune.search.microbatch import EDGE_TOLERANCE, Point, scaled_reference, stretched

@@ -20,7 +20,7 @@ from optuna.distributions import BaseDistribution
 from optuna.samplers import BaseSampler
 from optuna.trial import FrozenTrial, TrialState
 
-from mlautotune.experiment import Result
+from mlautotune.run.experiment import Result
 from mlautotune.search.candidates import params_key
 
 CLAIM_WAIT_S = 2.0  # how long a claim waits for an earlier claim still being written (a dead one stays RUNNING until its heartbeat fails it: waited for once)

@@ -9,11 +9,11 @@ succeeds, the same exception from the script in two stages ends the session: no 
 
 from typing import Any, Dict, List, Optional, Tuple
 
-from mlautotune.memory import MemoryModel
+from mlautotune.search.memory import MemoryModel
 from mlautotune.search.candidates import base_knobs, base_params, knobs_of_params, params_key, with_knobs
 from mlautotune.search.ledger import Measured
 from mlautotune.search.step import Step
-from mlautotune.space import TuningPlan
+from mlautotune.inputs.space import TuningPlan
 
 PROFILE_FACTOR = 4  # the second profiling point: this many times the smallest micro-batch
 

@@ -29,8 +29,8 @@ the luckiest of its near-ties, so its value is biased high and the strict rule s
 import statistics
 from typing import Any, Dict, List, Optional
 
-from mlautotune.memory import MemoryModel
-from mlautotune.samplers import make_chooser
+from mlautotune.search.memory import MemoryModel
+from mlautotune.search.samplers import make_chooser
 from mlautotune.search.candidates import stage_knob_combos
 from mlautotune.search.knobs import Knobs
 from mlautotune.search.ledger import Ledger, Measured
@@ -39,7 +39,7 @@ from mlautotune.search.profiling import Profiling
 from mlautotune.search.repeats import Repeats
 from mlautotune.search.settings import SearchSettings
 from mlautotune.search.step import Step
-from mlautotune.space import TuningPlan
+from mlautotune.inputs.space import TuningPlan
 
 __all__ = ["Step", "Strategy"]
 

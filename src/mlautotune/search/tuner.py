@@ -6,13 +6,13 @@ from typing import Any, Callable, Dict, List, Optional
 
 import optuna
 
-from mlautotune.experiment import Experiment, Result
-from mlautotune.measure import cut_short_note
+from mlautotune.run.experiment import Experiment, Result
+from mlautotune.run.measure import cut_short_note
 from mlautotune.search.candidates import distributions
 from mlautotune.search.ledger import Ledger, Measured
 from mlautotune.search.settings import SearchSettings
 from mlautotune.search.strategy import Step, Strategy
-from mlautotune.space import TuningPlan
+from mlautotune.inputs.space import TuningPlan
 
 
 @dataclass

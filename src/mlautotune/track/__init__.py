@@ -1,0 +1,1 @@
+"""Recording experiments: MLflow runs and the session's report."""
