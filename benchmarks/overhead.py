@@ -1,15 +1,17 @@
 """The experiment runner's cost over a bare `deepspeed` run, and where an experiment's wall time goes.
 
-    python benchmarks/overhead.py [--repeats 3] [--stage 2] [--mbs 4] [--gas 1]
+    python benchmarks/overhead.py [--repeats 3] [--stage 2] [--mbs 4] [--gas 1] [--json OUT]
 
 Runs the bundled workload for end_profile_step optimizer steps, alternately (a) bare, as
 `deepspeed --num_gpus 2 gpt.py --deepspeed_config ds.json --steps N`, and (b) through
 run_experiment (launcher + probe + measurement). Prints the median wall times, their ratio, and
-a breakdown of (b) from the timestamps the probe records in each rank's rank<N>.json.
+a breakdown of (b) from the timestamps the probe records in each rank's rank<N>.json. --json keeps
+every run's wall time and phases, and the load average before and after (`tables.py` reads it).
 """
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -65,12 +67,14 @@ def main():
     p.add_argument("--mbs", type=int, default=4)
     p.add_argument("--gas", type=int, default=1)
     p.add_argument("--steps", type=int, default=5, help="optimizer steps; the probe's window is steps 3..steps")
+    p.add_argument("--json", metavar="OUT", help="write every run's wall time and phases as JSON")
     args = p.parse_args()
     ds_config = {"train_micro_batch_size_per_gpu": args.mbs, "gradient_accumulation_steps": args.gas, "steps_per_print": 1000,
                  "optimizer": {"type": "Adam", "params": {"lr": 3e-4}}, "zero_optimization": {"stage": args.stage}}
     steps = args.steps
 
     bare, probed, breakdowns = [], [], []
+    load = os.getloadavg()[0]  # other work on the machine: a quiet one is near 0
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for i in range(args.repeats):  # alternate, so drift in the machine's speed hits both alike
@@ -89,6 +93,9 @@ def main():
     for label, _, _ in PHASES:
         s = statistics.median(d[label] for d in breakdowns)
         print(f"| {label} | {s:.2f} | {s / r:.1%} |")
+    if args.json:
+        out = {"args": vars(args), "bare_s": bare, "runner_s": probed, "phases_s": breakdowns, "load_before_after": [load, os.getloadavg()[0]]}
+        Path(args.json).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,13 @@
-"""Markdown tables from `replay.py --json` records.
+"""Every benchmark table of README.md and benchmarks/README.md, from the records in benchmarks/.
 
-    python benchmarks/tables.py /tmp/replay.json      # one table per landscape, then the targets
+    python benchmarks/tables.py                      # all of them, each under the README section it goes in
+    python benchmarks/tables.py /tmp/replay.json     # the replay tables of any `replay.py --json` record
+
+The records: results/replay_20seeds.json (every strategy, 1, 2 and 4 simulated workers, 20 seeds),
+results/replay_w1_60seeds.json and replay_w4_60seeds.json (model_based over 60 seeds, with 1 and 4
+workers; the first also holds the DeepSpeed baseline), results/noise_*.json (noise.py),
+results/overhead.json (overhead.py), results/versus_deepspeed.json (versus_deepspeed.py) and the
+recorded landscapes in landscapes/ (resolution.py's table).
 
 "never" counts as a miss everywhere: a median takes it as infinity (so the median itself is
 "never" when half the seeds or more never got there), and each cell says how many seeds never did.
@@ -10,7 +17,12 @@ import json
 import math
 import statistics
 import sys
+from pathlib import Path
 from typing import Any, Dict, List, Optional
+
+HERE = Path(__file__).parent
+RESULTS = HERE / "results"
+sys.path.insert(0, str(HERE))
 
 STRATEGIES = ("model_based", "gridsearch", "random", "deepspeed_baseline")
 INF = math.inf
@@ -51,6 +63,19 @@ def ratio(a: float, b: float) -> float:
     if a == INF:
         return INF
     return 0.0 if b == INF else a / b
+
+
+def target_figures(records: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The three search targets: model_based / baseline experiments to 99% (median over landscapes),
+    the worst final regret, and the experiments run after reaching 99% (median and worst)."""
+    text = targets(records)
+    return {"ratio": _figure(text, "model_based / baseline"), "worst_regret": _figure(text, "model_based worst final regret"),
+            "after99": _figure(text, "model_based experiments after reaching 99%")}
+
+
+def _figure(text: str, start: str) -> str:
+    line = next(x for x in text.splitlines() if x.startswith("- " + start))
+    return line.split(": ", 1)[1].split(" (target")[0]
 
 
 def targets(records: List[Dict[str, Any]]) -> str:
@@ -123,14 +148,186 @@ def workers_table(records: List[Dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def main(path: str) -> None:
-    records = json.loads(open(path).read())
-    for name in dict.fromkeys(r["landscape"] for r in records):
-        print(landscape_table(records, name))
-    print(targets(records))
+def replay_tables(records: List[Dict[str, Any]]) -> str:
+    out = [landscape_table(records, name) for name in dict.fromkeys(r["landscape"] for r in records)]
+    out.append(targets(records))
     if len({r.get("workers", 1) for r in records}) > 1:
-        print(workers_table(records))
+        out.append(workers_table(records))
+    return "\n".join(out)
+
+
+def workers_ratio(records: List[Dict[str, Any]]) -> str:
+    """model_based's wall hours to 99% with the most workers over those with 1, median over landscapes."""
+    line = next(x for x in workers_table(records).splitlines() if x.startswith("- model_based:"))
+    return line.split(": ")[-1].split(" (target")[0]
+
+
+def load(name: str) -> Any:
+    return json.loads((RESULTS / name).read_text())
+
+
+def pct(x: Optional[float]) -> str:
+    return "n/a" if x is None else f"{x:.1%}"
+
+
+def noise_table(record: Dict[str, Any]) -> str:
+    """noise.py --json: per method and condition, the median throughput and the spread over repeats."""
+    out = ["| method | condition | repeats | median samples/s | CV over repeats (90% range) | median interval | median wall s | flagged disturbed |",
+           "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for method, conditions in record["summary"].items():
+        for cond, s in conditions.items():
+            lo, hi = s.get("cv_90pct_range", (None, None))
+            out.append(f"| {method} | {cond} | {s['repeats']} | {s['median_throughput']:.1f} | {pct(s['cv'])} ({pct(lo)}-{pct(hi)}) | "
+                       f"+-{pct(s['median_interval_rel'])} | {s['median_wall_s']:.1f} | {s['disturbed']}/{s['ok']} |")
+    return "\n".join(out)
+
+
+def window_length_table(record: Dict[str, Any]) -> str:
+    out = ["| run | micro-batch | script steps | median samples/s | CV over repeats | median interval | median wall s | flagged disturbed |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, run in record["runs"].items():
+        s = run["summary"]["pinned"]["quiet"]
+        out.append(f"| {name} | {run['args']['mbs']} | {run['args']['steps']} | {s['median_throughput']:.1f} | {pct(s['cv'])} | "
+                   f"+-{pct(s['median_interval_rel'])} | {s['median_wall_s']:.1f} | {s['disturbed']}/{s['ok']} |")
+    return "\n".join(out)
+
+
+def overhead_table(record: Dict[str, Any]) -> str:
+    bare, runner = statistics.median(record["bare_s"]), statistics.median(record["runner_s"])
+    out = [f"| run | wall time (median of {len(record['bare_s'])}) | all runs |", "|---|---:|---|",
+           f"| bare `deepspeed --num_gpus 2 gpt.py --steps {record['args']['steps']}` | {bare:.1f} s | {', '.join(f'{x:.1f}' for x in record['bare_s'])} |",
+           f"| `run_experiment` (launcher + probe) | {runner:.1f} s | {', '.join(f'{x:.1f}' for x in record['runner_s'])} |",
+           "", f"Ratio runner / bare: **{runner / bare:.2f}**; load average before / after: {record['load_before_after'][0]:.1f} / {record['load_before_after'][1]:.1f}.",
+           "", "| phase of one experiment (slowest rank) | median s | share |", "|---|---:|---:|"]
+    for label in record["phases_s"][0]:
+        x = statistics.median(d[label] for d in record["phases_s"])
+        out.append(f"| {label} | {x:.2f} | {x / runner:.1%} |")
+    return "\n".join(out)
+
+
+def overhead_ratio(record: Dict[str, Any]) -> float:
+    return statistics.median(record["runner_s"]) / statistics.median(record["bare_s"])
+
+
+def describe_pick(config: Optional[Dict[str, Any]]) -> str:
+    if not config:
+        return "none"
+    return f"z{config.get('zero_optimization', {}).get('stage')} mbs {config.get('train_micro_batch_size_per_gpu')} gas {config.get('gradient_accumulation_steps')}"
+
+
+def versus_table(record: Dict[str, Any]) -> str:
+    out = ["| workload | tool | experiments | tuning wall time (s) | pick | pick re-measured, samples/s (median, spread) |",
+           "|---|---|---:|---:|---|---:|"]
+    for workload, run in record.items():
+        for tool in ("deepspeed", "mlautotune"):
+            r, m = run[tool], run["remeasured"].get(tool, {})
+            out.append(f"| {workload} | {tool} | {r['experiments']} | {r['wall_s']:.0f} | {describe_pick(r['pick'])} | "
+                       f"{m['median']:.1f} ({m['spread']:.1%}) |")
+    out.append("")
+    for workload, ratio_ in versus_ratios(record).items():
+        out.append(f"- {workload}: mlautotune / DeepSpeed tuning wall time {ratio_:.2f} (target <= 0.5)")
+    return "\n".join(out)
+
+
+def versus_ratios(record: Dict[str, Any]) -> Dict[str, float]:
+    return {w: run["mlautotune"]["wall_s"] / run["deepspeed"]["wall_s"] for w, run in record.items()}
+
+
+def short(knob: str) -> str:
+    """A knob's initials: reduce_bucket_size -> rbs, stage3_prefetch_bucket_size -> s3pbs."""
+    return "".join(part[0] if not part[0].isdigit() else part for part in knob.replace("stage3", "s3").split("_"))
+
+
+def landscapes_table() -> str:
+    """Each landscape's size and best point (recorded: the median of its draws; GPU-like: noise-free)."""
+    from landscape import load as load_landscape, signed_metric
+
+    out = ["| landscape | source | points (ok / OOM) | best point | its value |", "|---|---|---:|---|---:|"]
+    for path in sorted((HERE / "landscapes").glob("*.json")):
+        land = load_landscape(path)
+        metric, sign = signed_metric(land)
+        field = f"true_{metric}" if land.get("generator") == "gpu_model" else metric
+        ok = [p for p in land["points"] if p["status"] == "ok"]
+        best = max(ok, key=lambda p: sign * p["metrics"][field])
+        knobs = " ".join(f"{short(k)}={v:g}" if not isinstance(v, bool) else f"{short(k)}={int(v)}"
+                         for k, v in best["params"].items() if k not in ("stage", "micro_batch", "gas"))
+        out.append(f"| {path.stem} | {land.get('source')} | {len(ok)} / {len(land['points']) - len(ok)} | "
+                   f"z{best['params']['stage']} mb{best['params']['micro_batch']}{' ' + knobs if knobs else ''} | {best['metrics'][field]:.1f} |")
+    return "\n".join(out)
+
+
+def resolution_table() -> str:
+    import resolution
+    from landscape import load as load_landscape
+
+    rows = []
+    for path in sorted((HERE / "landscapes").glob("cpu_*.json")):
+        land = load_landscape(path)
+        land.setdefault("name", path.stem)
+        rows.append(resolution.resolve(land))
+    return resolution.table([r for r in rows if r])
+
+
+def headline() -> str:
+    """README.md's table: one line per benchmark, today's figure and its target."""
+    r20, w1, w4 = load("replay_20seeds.json"), load("replay_w1_60seeds.json"), load("replay_w4_60seeds.json")
+    t20, t60 = target_figures([r for r in r20 if r.get("workers", 1) == 1]), target_figures(w1)
+    noise = load("noise_fixed_vs_pinned.json")["summary"]["pinned"]
+    versus = versus_ratios(load("versus_deepspeed.json"))
+    link = "benchmarks/README.md"
+    rows = [("Search replay: model_based / DeepSpeed-baseline experiments to 99% of the best (20 seeds; 60)",
+             f"{t20['ratio']}; {t60['ratio']}", "<= 0.33", f"{link}#search-replay"),
+            ("Search replay: worst final regret (20 seeds; 60)", f"{t20['worst_regret']}; {t60['worst_regret']}", "<= 3%", f"{link}#search-replay"),
+            ("Search replay: experiments run after reaching 99% (20 seeds; 60)", f"{t20['after99']}; {t60['after99']}", "<= 5", f"{link}#search-replay"),
+            ("Search replay: wall hours to 99%, 4 workers / 1 (20 seeds; 60)", f"{workers_ratio(r20)}; {workers_ratio(w1 + w4)}", "<= 0.35",
+             f"{link}#several-workers"),
+            ("Tuning time against `deepspeed --autotuning tune` (bundled; edge)", "; ".join(f"{v:.2f}" for v in versus.values()), "<= 0.5",
+             f"{link}#side-by-side-with-deepspeeds-autotuner"),
+            ("Measurement noise: CV of one configuration over 5 repeats, quiet", pct(noise["quiet"]["cv"]), "<= 3%", f"{link}#measurement-noise"),
+            ("Measurement noise: repeats beside a CPU hog flagged `disturbed`", f"{noise['busy']['disturbed']}/{noise['busy']['ok']}", "all",
+             f"{link}#measurement-noise")]
+    if (RESULTS / "overhead.json").exists():
+        rows.append(("Runner overhead: one experiment's wall time through mlautotune / a bare `deepspeed` run",
+                     f"{overhead_ratio(load('overhead.json')):.2f}", "<= 1", f"{link}#runner-overhead"))
+    out = ["| benchmark | today | target | page |", "|---|---:|---:|---|"]
+    out += [f"| {name} | {value} | {target} | [details]({page}) |" for name, value, target, page in rows]
+    return "\n".join(out)
+
+
+def only_model_based(table: str) -> str:
+    """A workers table with the other strategies' rows left out (their summary lines kept)."""
+    return "\n".join(x for x in table.splitlines() if not x.startswith("| ") or " | model_based | " in x or x.startswith("| landscape"))
+
+
+def summary_lines(table: str) -> str:
+    return "\n".join(x for x in table.splitlines() if x.startswith("- "))
+
+
+def all_tables() -> str:
+    sections = [("README.md, Benchmarks", headline())]
+    if (RESULTS / "overhead.json").exists():
+        sections.append(("benchmarks/README.md, Runner overhead (results/overhead.json)", overhead_table(load("overhead.json"))))
+    r20 = load("replay_20seeds.json")
+    sections += [
+        ("benchmarks/README.md, Landscapes (landscapes/)", landscapes_table()),
+        ("benchmarks/README.md, How finely the CPU truths tell the best (landscapes/cpu_*.json)", resolution_table()),
+        ("benchmarks/README.md, Search replay, 20 seeds, 1 worker (results/replay_20seeds.json)",
+         replay_tables([r for r in r20 if r.get("workers", 1) == 1])),
+        ("benchmarks/README.md, Search replay, 60 seeds, 1 worker (results/replay_w1_60seeds.json)", summary_lines(targets(load("replay_w1_60seeds.json")))),
+        ("benchmarks/README.md, Several workers, 20 seeds (results/replay_20seeds.json)", only_model_based(workers_table(r20))),
+        ("benchmarks/README.md, Several workers, 60 seeds (results/replay_w1_60seeds.json + replay_w4_60seeds.json)",
+         summary_lines(workers_table(load("replay_w1_60seeds.json") + load("replay_w4_60seeds.json")))),
+        ("benchmarks/README.md, Measurement noise (results/noise_fixed_vs_pinned.json)", noise_table(load("noise_fixed_vs_pinned.json"))),
+        ("benchmarks/README.md, Measurement noise, window budget (results/noise_budget_4.5s_vs_9s.json)", noise_table(load("noise_budget_4.5s_vs_9s.json"))),
+        ("benchmarks/README.md, Measurement noise, script length (results/noise_window_length.json)", window_length_table(load("noise_window_length.json"))),
+        ("benchmarks/README.md, Side by side with DeepSpeed (results/versus_deepspeed.json)", versus_table(load("versus_deepspeed.json"))),
+    ]
+    return "\n\n".join(f"<!-- {title} -->\n{body.strip()}" for title, body in sections)
+
+
+def main(argv: List[str]) -> None:
+    print(replay_tables(json.loads(Path(argv[0]).read_text())) if argv else all_tables())
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1:])
