@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 L=benchmarks/landscapes
 C=benchmarks/configs
-# cpu_gpt-0.9M_fast since session 42: also the points within 10% of the best median, to 40 draws each (~55 min in all)
+# cpu_gpt-0.9M_fast: also the points within 10% of the best median, to 40 draws each (~55 min in all)
 python benchmarks/record.py $L/cpu_gpt-0.9M_fast.json --micro-batches 1,2,4,6,8,12,16,24,32 --repeats 6 --contenders 0.1 --contender-repeats 40 \
   -- config=$C/cpu_gpt-0.9M_fast.json launcher.num_gpus=2
 python benchmarks/record.py $L/cpu_gpt-4M_fast.json --micro-batches 1,2,4,8,12,16,24,32 --repeats 5 \

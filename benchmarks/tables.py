@@ -15,6 +15,7 @@ recorded landscapes in landscapes/ (resolution.py's table).
 
 import json
 import math
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -45,7 +46,7 @@ def rows(records: List[Dict[str, Any]], landscape: str, strategy: str, workers: 
 
 
 def landscape_table(records: List[Dict[str, Any]], landscape: str) -> str:
-    out = [f"\n### {landscape}\n", "| strategy | experiments to 95% | experiments to 99% | final regret (median / worst) | experiments | failures | wall hours | wall hours to 99% |",
+    out = [f"\n#### {landscape}\n", "| strategy | experiments to 95% | experiments to 99% | final regret (median / worst) | experiments | failures | wall hours | wall hours to 99% |",
            "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for strategy in STRATEGIES:
         rs = rows(records, landscape, strategy)
@@ -55,6 +56,27 @@ def landscape_table(records: List[Dict[str, Any]], landscape: str) -> str:
         out.append(f"| {strategy} | {steps([r['to95'] for r in rs])} | {steps([r['to99'] for r in rs])} | "
                    f"{median([r['regret'] for r in rs]):.1%} / {max(r['regret'] for r in rs):.1%} | {median([r['experiments'] for r in rs]):g} | "
                    f"{median([r.get('failures', 0) for r in rs]):g} | {median([r['wall_hours'] for r in rs]):.2f} | {'never' if wall99 == INF else f'{wall99:.2f}'} |")
+    return "\n".join(out)
+
+
+def strategies_table(records: List[Dict[str, Any]], shown: tuple = ("model_based", "deepspeed_baseline")) -> str:
+    """landscape_table's rows of the `shown` strategies for every landscape in one table (the 1-worker
+    runs), then a line for each other strategy over all landscapes."""
+    out = ["| landscape | strategy | experiments to 95% | experiments to 99% | final regret (median / worst) | experiments | failures | wall hours | wall hours to 99% |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name in dict.fromkeys(r["landscape"] for r in records):
+        out += [f"| {name} {row}" for row in landscape_table(records, name).splitlines()[5:] if row.split(" | ")[0][2:] in shown]
+    out.append("")
+    one = [r for r in records if r.get("workers", 1) == 1]
+
+    def totals(strategy: str) -> str:
+        rs = [r for r in one if r["strategy"] == strategy]
+        return (f"reaches 99% in {sum(r['to99'] is not None for r in rs)} of {len(rs)} runs, {sum(r['experiments'] for r in rs)} experiments "
+                f"in all, worst regret {max(r['regret'] for r in rs):.1%}")
+
+    for strategy in STRATEGIES:
+        if strategy not in shown and any(r["strategy"] == strategy for r in one):
+            out.append(f"- {strategy}: {totals(strategy)} (model_based: {totals('model_based')})")
     return "\n".join(out)
 
 
@@ -80,7 +102,7 @@ def _figure(text: str, start: str) -> str:
 
 def targets(records: List[Dict[str, Any]]) -> str:
     landscapes = list(dict.fromkeys(r["landscape"] for r in records))
-    out = ["\n### Targets\n", "| landscape | model_based to 99% | baseline to 99% | ratio | model_based worst regret | model_based experiments after reaching 99% (median / worst) |",
+    out = ["\n#### Targets\n", "| landscape | model_based to 99% | baseline to 99% | ratio | model_based worst regret | model_based experiments after reaching 99% (median / worst) |",
            "|---|---:|---:|---:|---:|---:|"]
     ratios, worst, after = [], [], []
     for name in landscapes:
@@ -125,7 +147,7 @@ def workers_table(records: List[Dict[str, Any]]) -> str:
     infinity, a miss with 1 alone 0)."""
     counts = sorted({r.get("workers", 1) for r in records})
     landscapes = list(dict.fromkeys(r["landscape"] for r in records))
-    out = ["\n### Wall hours to 99% against the number of workers (simulated)\n",
+    out = ["\n#### Wall hours to 99% against the number of workers (simulated)\n",
            "| landscape | strategy | " + " | ".join(f"{n} worker{'s' * (n > 1)}: wall hours to 99% (experiments)" for n in counts) + " |",
            "|---|---|" + "---:|" * len(counts)]
     ratios: Dict[str, List[float]] = {}
@@ -197,7 +219,7 @@ def overhead_table(record: Dict[str, Any]) -> str:
     out = [f"| run | wall time (median of {len(record['bare_s'])}) | all runs |", "|---|---:|---|",
            f"| bare `deepspeed --num_gpus 2 gpt.py --steps {record['args']['steps']}` | {bare:.1f} s | {', '.join(f'{x:.1f}' for x in record['bare_s'])} |",
            f"| `run_experiment` (launcher + probe) | {runner:.1f} s | {', '.join(f'{x:.1f}' for x in record['runner_s'])} |",
-           "", f"Ratio runner / bare: **{runner / bare:.2f}**; load average before / after: {record['load_before_after'][0]:.1f} / {record['load_before_after'][1]:.1f}.",
+           "", f"- ratio runner / bare: **{runner / bare:.2f}**; load average before / after: {record['load_before_after'][0]:.1f} / {record['load_before_after'][1]:.1f}",
            "", "| phase of one experiment (slowest rank) | median s | share |", "|---|---:|---:|"]
     for label in record["phases_s"][0]:
         x = statistics.median(d[label] for d in record["phases_s"])
@@ -234,8 +256,15 @@ def versus_ratios(record: Dict[str, Any]) -> Dict[str, float]:
 
 
 def short(knob: str) -> str:
-    """A knob's initials: reduce_bucket_size -> rbs, stage3_prefetch_bucket_size -> s3pbs."""
+    """A knob's initials: reduce_bucket_size -> rbs, stage3_prefetch_bucket_size -> spbs."""
     return "".join(part[0] if not part[0].isdigit() else part for part in knob.replace("stage3", "s3").split("_"))
+
+
+def knob_value(v: Any) -> str:
+    """True -> 1, 50000000 -> 5e7."""
+    if isinstance(v, bool) or v in ("True", "False"):
+        return str(int(v in (True, "True")))
+    return f"{float(v):.0e}".replace("e+0", "e").replace("e+", "e") if float(v) >= 1e4 else f"{float(v):g}"
 
 
 def landscapes_table() -> str:
@@ -249,8 +278,7 @@ def landscapes_table() -> str:
         field = f"true_{metric}" if land.get("generator") == "gpu_model" else metric
         ok = [p for p in land["points"] if p["status"] == "ok"]
         best = max(ok, key=lambda p: sign * p["metrics"][field])
-        knobs = " ".join(f"{short(k)}={v:g}" if not isinstance(v, bool) else f"{short(k)}={int(v)}"
-                         for k, v in best["params"].items() if k not in ("stage", "micro_batch", "gas"))
+        knobs = " ".join(f"{short(k)}={knob_value(v)}" for k, v in best["params"].items() if k not in ("stage", "micro_batch", "gas"))
         out.append(f"| {path.stem} | {land.get('source')} | {len(ok)} / {len(land['points']) - len(ok)} | "
                    f"z{best['params']['stage']} mb{best['params']['micro_batch']}{' ' + knobs if knobs else ''} | {best['metrics'][field]:.1f} |")
     return "\n".join(out)
@@ -265,7 +293,8 @@ def resolution_table() -> str:
         land = load_landscape(path)
         land.setdefault("name", path.stem)
         rows.append(resolution.resolve(land))
-    return resolution.table([r for r in rows if r])
+    text = resolution.table([r for r in rows if r])
+    return re.sub(r"(\w+)=(\w+)", lambda m: f"{short(m.group(1))}={knob_value(m.group(2))}", text)
 
 
 def headline() -> str:
@@ -294,9 +323,18 @@ def headline() -> str:
     return "\n".join(out)
 
 
+def ratio_by_seed_groups(records: List[Dict[str, Any]], size: int = 5) -> str:
+    """The target ratio over consecutive groups of `size` seeds: how much fewer seeds would move it."""
+    seeds = sorted({r["seed"] for r in records})
+    groups = [set(seeds[i:i + size]) for i in range(0, len(seeds), size)]
+    ratios = [target_figures([r for r in records if r["seed"] in g])["ratio"] for g in groups]
+    return f"- the same ratio over seeds {size} at a time ({', '.join(f'{min(g)}-{max(g)}' for g in groups)}): {', '.join(ratios)}"
+
+
 def only_model_based(table: str) -> str:
     """A workers table with the other strategies' rows left out (their summary lines kept)."""
-    return "\n".join(x for x in table.splitlines() if not x.startswith("| ") or " | model_based | " in x or x.startswith("| landscape"))
+    keep = [x for x in table.splitlines() if not x.startswith(("| ", "####")) or " | model_based | " in x or x.startswith("| landscape")]
+    return "\n".join(keep).strip()
 
 
 def summary_lines(table: str) -> str:
@@ -308,15 +346,16 @@ def all_tables() -> str:
     if (RESULTS / "overhead.json").exists():
         sections.append(("benchmarks/README.md, Runner overhead (results/overhead.json)", overhead_table(load("overhead.json"))))
     r20 = load("replay_20seeds.json")
+    w1_20 = [r for r in r20 if r.get("workers", 1) == 1]
     sections += [
         ("benchmarks/README.md, Landscapes (landscapes/)", landscapes_table()),
         ("benchmarks/README.md, How finely the CPU truths tell the best (landscapes/cpu_*.json)", resolution_table()),
         ("benchmarks/README.md, Search replay, 20 seeds, 1 worker (results/replay_20seeds.json)",
-         replay_tables([r for r in r20 if r.get("workers", 1) == 1])),
+         strategies_table(w1_20) + "\n" + targets(w1_20) + "\n" + ratio_by_seed_groups(w1_20)),
         ("benchmarks/README.md, Search replay, 60 seeds, 1 worker (results/replay_w1_60seeds.json)", summary_lines(targets(load("replay_w1_60seeds.json")))),
         ("benchmarks/README.md, Several workers, 20 seeds (results/replay_20seeds.json)", only_model_based(workers_table(r20))),
         ("benchmarks/README.md, Several workers, 60 seeds (results/replay_w1_60seeds.json + replay_w4_60seeds.json)",
-         summary_lines(workers_table(load("replay_w1_60seeds.json") + load("replay_w4_60seeds.json")))),
+         summary_lines(only_model_based(workers_table(load("replay_w1_60seeds.json") + load("replay_w4_60seeds.json")))).splitlines()[0]),
         ("benchmarks/README.md, Measurement noise (results/noise_fixed_vs_pinned.json)", noise_table(load("noise_fixed_vs_pinned.json"))),
         ("benchmarks/README.md, Measurement noise, window budget (results/noise_budget_4.5s_vs_9s.json)", noise_table(load("noise_budget_4.5s_vs_9s.json"))),
         ("benchmarks/README.md, Measurement noise, script length (results/noise_window_length.json)", window_length_table(load("noise_window_length.json"))),

@@ -53,8 +53,8 @@ def test_two_points_fit_the_activation_line_and_predict_the_largest_micro_batch(
 
 
 def test_memory_that_grows_faster_at_larger_micro_batches_puts_the_edge_under_it():
-    """A CPU rank's RSS grows faster than linearly. Recorded (benchmarks/landscapes/cpu_gpt-4M_fast.json
-    as session 24 recorded it, in git history; z0, 1 rank, limit 1.2 GiB): it fits at 24 and grows 23 MB per sample from 16 to 24, so it runs out
+    """A CPU rank's RSS grows faster than linearly. Recorded (a one-draw recording of
+    benchmarks/landscapes/cpu_gpt-4M_fast.json's workload; z0, 1 rank, limit 1.2 GiB): it fits at 24 and grows 23 MB per sample from 16 to 24, so it runs out
     of memory from 30 on (32 recorded). The line through 1, 4, 8 and 16 says 31 fits; the steepest
     growth seen, 4 -> 8, carried on beyond 8, does not."""
     peaks = {1: 675713024, 4: 728145920, 8: 820371456, 16: 975826944, 24: 1160052736}
@@ -76,7 +76,7 @@ def test_memory_linear_in_the_micro_batch_keeps_the_line_whatever_each_stage_s_s
 
 
 def test_an_edge_probe_that_ran_out_of_memory_moves_every_stage_s_edge_under_it():
-    """The README's first command (2 CPU ranks, limit 1 GiB) in session 50: z0 ran out of memory at 32
+    """Seen in a run of the README's first command (2 CPU ranks, limit 1 GiB): z0 ran out of memory at 32
     (its peak, 1093337088 bytes, is recorded here), then z1, with less memory per rank and so not
     bounded by z0's OOM, was sent to 32 too and ran out of memory there. z0's peaks at micro-batch 1
     and 4 were not kept; here they lie in one allocator chunk (6 MB apart), so the line through them

@@ -276,6 +276,15 @@ def test_never_counts_as_a_miss_in_the_tables():
     assert "| L | never (2/3 never) | 8 | never |" in text
 
 
+def test_the_readmes_show_what_tables_py_prints_from_the_records():
+    """Every table row and figure line that `python benchmarks/tables.py` prints from benchmarks/results/
+    and landscapes/ stands in README.md or benchmarks/README.md as printed: no figure there without its record."""
+    readmes = (BENCH.parent / "README.md").read_text() + (BENCH / "README.md").read_text()
+    printed = [line for line in tables.all_tables().splitlines() if line.startswith(("| ", "- "))]
+    missing = [line for line in printed if line not in readmes]
+    assert len(printed) > 50 and not missing, missing[:5]
+
+
 def test_the_product_replays_with_its_default_remeasurement_and_fresh_noise(lands):
     land = {**lands[FLAT], "plan": {**lands[FLAT]["plan"], "fast": True}}  # fast mode: the same re-measurement, fewer experiments
     runner, found = replay.replay(land, "model_based", seed=0)

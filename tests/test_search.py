@@ -264,7 +264,7 @@ def test_a_leader_re_measured_and_beaten_leaves_the_new_pair_of_leaders_their_ow
 
 
 def test_a_rival_that_could_at_best_tie_the_re_measured_leader_is_not_measured_again():
-    """Seen side by side on a flat top (edge, session 47): the leader measured again stood, and each
+    """Seen in a side-by-side run on a flat top (the edge workload of benchmarks/versus_deepspeed.py): the leader measured again stood, and each
     rival within the intervals was measured again in turn, one launch each, though at its
     optimistic value (its draw and interval) none could beat the leader by more than the stop rule's
     margin: choosing among them gains less than the noise. 12 leads on 80.0, again 80.0; 13 read
@@ -661,7 +661,7 @@ class PressurePeak(Landscape):
 
 
 def test_a_leader_whose_stage_below_peaked_inside_is_priced_below_its_look_by_that_line():
-    """Seen in the side-by-side run (session 44): z0 peaked at 12 and fell at 21 and 32, z1's look
+    """Seen in a side-by-side run (benchmarks/versus_deepspeed.py): z0 peaked at 12 and fell at 21 and 32, z1's look
     at 12 took the lead, and z1 searched its own line on both sides without z0's line as a prior
     (64, 32, 21 above its look, then 6, 8 and 10 below), none of them able to beat its 12. Above its
     look the leader still searches on its own; below it the line below, stretched to the leader's
