@@ -55,7 +55,7 @@ class Plan:
     oom_limit_bytes: int
     session_timeout_s: float
     budget_s: float  # the whole check: steps that would start past it are skipped, so that its report is written in time
-    overrides: list = field(default_factory=list)  # further CLI overrides of the session
+    measure: dict = field(default_factory=dict)  # measure.* settings changed, in the session and the repeats
     gpu: bool = True
 
 
@@ -64,11 +64,12 @@ GPU = Plan(model=["--num_layers", "24", "--hidden_size", "1024", "--num_heads", 
            oom_micro_batch=64, oom_limit_bytes=32 * GiB, session_timeout_s=300, budget_s=480)
 DRY = Plan(model=["--num_layers", "1", "--hidden_size", "32", "--num_heads", "2", "--seq_len", "32", "--vocab_size", "256", "--steps", "40"],
            precision={}, memory_limit="4GiB", trials=2, repeats=2, timeout_s=120, hang_timeout_s=8,
-           oom_micro_batch=2, oom_limit_bytes=64 * 2**20, session_timeout_s=400, budget_s=1e9, overrides=["measure.budget_s=1"], gpu=False)
+           oom_micro_batch=2, oom_limit_bytes=64 * 2**20, session_timeout_s=400, budget_s=1e9, measure={"budget_s": 1.0}, gpu=False)
 
 
 def ds_config(plan: Plan) -> dict:
-    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "steps_per_print": 1000, "gradient_clipping": 1.0,
+    # No gradient clipping: its norm is read on the host every step, a sync of its own that would hide what the window's sync changes.
+    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "steps_per_print": 1000,
             # torch's Adam: no op to JIT-compile inside the check's minutes
             "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.01, "torch_adam": True}},
             **plan.precision, "zero_optimization": {"stage": "all"},
@@ -129,8 +130,7 @@ def experiment(plan: Plan, name: str, params: dict, config: dict, script_args: l
     from mlautotune.inputs.config import MeasureConf, Resources
     from mlautotune.run.experiment import Experiment
 
-    measure = asdict(MeasureConf())
-    measure.update(budget_s=1.0) if not plan.gpu else None
+    measure = {**asdict(MeasureConf()), **plan.measure}
     return Experiment(name=name, ds_config=config, script=str(RANK_SCRIPT), script_args=list(script_args), resources=Resources(num_gpus=1),
                       params=dict(params), arg_mappings=dict(MAPPINGS), start_profile_step=3, end_profile_step=10, timeout_s=plan.timeout_s,
                       measure=measure, **fields)
@@ -141,7 +141,7 @@ def run_session(plan: Plan, work: Path, config_path: Path, tracking_uri: str) ->
 
     argv = [sys.executable, "-m", "mlautotune", f"config={config_path}", f"script={GPT_SCRIPT}", f"script_args={' '.join(plan.model)}",
             "mode=run", "launcher.num_gpus=1", "search.remeasure=0", f"autotuning.results_dir={work / 'results'}",
-            f"autotuning.exps_dir={work / 'exps'}", f"tracking.tracking_uri={tracking_uri}", *plan.overrides]
+            f"autotuning.exps_dir={work / 'exps'}", f"tracking.tracking_uri={tracking_uri}", *(f"measure.{k}={v}" for k, v in plan.measure.items())]
     started = time.time()
     try:
         proc = subprocess.run(argv, cwd=work, capture_output=True, text=True, timeout=plan.session_timeout_s)
