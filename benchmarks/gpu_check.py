@@ -63,8 +63,8 @@ GPU = Plan(model=["--num_layers", "24", "--hidden_size", "1024", "--num_heads", 
            precision={"bf16": {"enabled": True}}, memory_limit="32GiB", trials=6, repeats=5, timeout_s=150, hang_timeout_s=30,
            oom_micro_batch=64, oom_limit_bytes=32 * GiB, session_timeout_s=300, budget_s=480)
 DRY = Plan(model=["--num_layers", "1", "--hidden_size", "32", "--num_heads", "2", "--seq_len", "32", "--vocab_size", "256", "--steps", "40"],
-           precision={}, memory_limit="4GiB", trials=2, repeats=2, timeout_s=120, hang_timeout_s=8,
-           oom_micro_batch=2, oom_limit_bytes=64 * 2**20, session_timeout_s=400, budget_s=1e9, measure={"budget_s": 1.0}, gpu=False)
+           precision={}, memory_limit="4GiB", trials=2, repeats=2, timeout_s=300, hang_timeout_s=8,
+           oom_micro_batch=2, oom_limit_bytes=64 * 2**20, session_timeout_s=900, budget_s=1e9, measure={"budget_s": 1.0}, gpu=False)
 
 
 def ds_config(plan: Plan) -> dict:

@@ -37,24 +37,30 @@ mkdir -p "$OUT"
 fail() { echo "gpu_wheels.sh: $1" >&2; exit 1; }
 "$PYTHON" -m pip --version >/dev/null 2>&1 || fail "no pip for $PYTHON; run scripts/setup.sh first, or set PYTHON to an interpreter with pip."
 
-have() { compgen -G "$OUT/$1-*.whl" >/dev/null; }  # a wheel of that (normalised) name is already there
+# Whether NAME==VERSION's wheel is in .whl/; a wheel of another version of it is removed (two stop the install).
+present() {
+  local file found=1
+  file=$(echo "${1%%==*}" | tr '-' '_')
+  for w in "$OUT/$file"-*.whl; do
+    [ -e "$w" ] || continue
+    if [[ $w == "$OUT/$file-${1#*==}-"* ]]; then found=0; else rm -f "$w"; fi
+  done
+  return $found
+}
 to_fetch=()
-for spec in "${BINARY[@]}"; do
-  name=${spec%%==*}; version=${spec#*==}; file=$(echo "$name" | tr '-' '_')
-  compgen -G "$OUT/${file}-${version}-*.whl" >/dev/null || compgen -G "$OUT/${name}-${version}-*.whl" >/dev/null || to_fetch+=("$spec")
-done
+for spec in "${BINARY[@]}"; do present "$spec" || to_fetch+=("$spec"); done
 if [ ${#to_fetch[@]} -gt 0 ]; then
   "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d "$OUT" "${to_fetch[@]}" \
     || fail "pip could not download ${to_fetch[*]} (no package index reachable, or a version is gone)."
 fi
-if ! have deepspeed; then
-  # No build isolation: DeepSpeed's setup.py reads torch from the environment that builds it.
+if ! present "$DEEPSPEED"; then
+  # No build isolation: DeepSpeed's setup.py reads torch from the environment that builds it, if it has one.
   DS_BUILD_OPS=0 "$PYTHON" -m pip wheel -q --no-deps --no-build-isolation -w "$OUT" "$DEEPSPEED" \
-    || fail "building the DeepSpeed wheel failed (it needs torch, setuptools and wheel in $PYTHON)."
+    || fail "building the DeepSpeed wheel failed (it needs setuptools and wheel in $PYTHON)."
 fi
-have antlr4_python3_runtime || "$PYTHON" -m pip wheel -q --no-deps -w "$OUT" "$ANTLR" || fail "building the antlr4 wheel failed."
+present "$ANTLR" || "$PYTHON" -m pip wheel -q --no-deps -w "$OUT" "$ANTLR" || fail "building the antlr4 wheel failed."
 
 wheels=$(du -cb "$OUT"/*.whl | tail -1 | cut -f1)
 tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
