@@ -155,8 +155,12 @@ def run_session(plan: Plan, work: Path, config_path: Path, tracking_uri: str) ->
 
     from mlautotune.track.report import PROVENANCE_KEY
 
-    client = MlflowClient(tracking_uri)
-    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    try:
+        client = MlflowClient(tracking_uri)
+        runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    except Exception as e:  # the store cannot be read (a package missing there): the report says so, the other steps still run
+        out.update(tracking_error=f"{type(e).__name__}: {e}", experiments=[], stages=[], oom_edge_found=False, final_over_tuned=None, best=None)
+        return out
     parent = next((r for r in runs if r.data.tags.get("mlautotune.role") == "session"), None)
     children = [r for r in runs if r.data.tags.get("experiment") and r.data.tags.get("mlautotune.role") != "final_training"]
     out["experiments"] = sorted((r.data.tags.get("experiment"), r.data.tags.get("status")) for r in children)

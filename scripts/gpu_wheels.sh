@@ -23,6 +23,7 @@ BINARY=(
   fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 gitpython==3.2.1 gitdb==4.0.12 smmap==5.0.3
   importlib-metadata==9.1.0 opentelemetry-api==1.45.2 opentelemetry-proto==1.45.2 opentelemetry-sdk==1.45.2
   opentelemetry-semantic-conventions==0.66b2 python-dotenv==1.2.4 sqlparse==0.6.1
+  cryptography==50.0.2 cffi==2.1.1  # MLflow's sqlite store imports Fernet (model registry); cffi's pycparser is not imported
   # optuna, its storage (SQLAlchemy + alembic, also MLflow's sqlite store) and its log colours
   optuna==5.0.0 alembic==1.20.1 sqlalchemy==2.1.9 mako==1.4.3 colorlog==6.12.0
   # hydra and omegaconf
@@ -51,7 +52,7 @@ to_fetch=()
 for spec in "${BINARY[@]}"; do present "$spec" || to_fetch+=("$spec"); done
 if [ ${#to_fetch[@]} -gt 0 ]; then
   "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d "$OUT" "${to_fetch[@]}" \
     || fail "pip could not download ${to_fetch[*]} (no package index reachable, or a version is gone)."
 fi
