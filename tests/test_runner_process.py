@@ -96,3 +96,21 @@ def test_a_rank_is_forked_only_when_nothing_read_at_a_process_start_differs(monk
     assert not runner_process._forkable({**rank, "KMP_DUPLICATE_LIB_OK": "False"})  # set otherwise than the import does
     assert not runner_process._forkable({**rank, "PYTHONHASHSEED": "0"})
     assert not runner_process._forkable({**rank, "MKL_NUM_THREADS": "4"})  # the fork sets OMP's count, for MKL too
+
+
+def test_a_runner_whose_group_does_not_exist_yet_is_killed_by_its_pid():
+    """A runner the server forked a moment ago may be ended (a timeout already spent while the server
+    started) before its setsid: no group of its pid exists yet. It must still be killed, not waited on."""
+    import signal
+    import threading
+
+    from mlautotune.run.experiment import _end_group
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # in our group, as a child before its setsid
+    try:
+        ended = threading.Thread(target=_end_group, args=(proc, False), daemon=True)
+        ended.start()
+        ended.join(timeout=60)
+        assert not ended.is_alive() and proc.returncode == -signal.SIGKILL
+    finally:
+        proc.kill()

@@ -180,7 +180,12 @@ def _end_group(proc: runner_process.Process, graceful: bool) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
-        pass
+        # A runner forked by the server a moment ago may not have made its group yet (setsid comes first
+        # in the child, before it starts anything): then it is alone, and killed by its pid.
+        try:
+            os.kill(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     proc.wait()
     _wait_until_group_gone(proc.pid)
 
