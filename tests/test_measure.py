@@ -283,6 +283,20 @@ def test_probe_synchronises_the_real_accelerator_at_step_boundaries_in_the_windo
     assert len(probe.step_times(7)) == 4 and all(t > 0 for t in probe.step_times(7))
 
 
+def test_measure_synchronize_false_leaves_the_accelerator_unsynchronised(tmp_path, monkeypatch):
+    """Only for showing what the sync changes (benchmarks/gpu_check.py): the window's steps end when the host is done."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    calls = []
+    monkeypatch.setattr(accelerator, "synchronize", lambda *args, **kwargs: calls.append(1))
+    probe = Probe(str(tmp_path), {"start_profile_step": 4, "end_profile_step": 1000, "measure": {**SETTINGS, "synchronize": False}})
+    probe.accelerator = accelerator
+    for _ in range(7):
+        probe.on_step(engine=None)
+    assert calls == [] and len(probe.step_times(7)) == 4
+
+
 def test_final_training_end_to_end_time_leaves_out_the_probes_own_time(tmp_path):
     """End to end after warm-up: every step of the script from the first measured one to the last, but not
     the time the probe spent between steps on its window checks (the user's own training will not have it)."""

@@ -19,6 +19,8 @@ def test_needed_follows_the_optimizer_and_its_offload():
     offload = {"optimizer": {"type": "Adam"}, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     assert ops.needed(offload) == ["ShareMemCommBuilder", "CPUAdamBuilder"]
     assert ops.needed({"optimizer": {"type": "Adagrad"}}) == ["ShareMemCommBuilder"]  # only under offload
+    torch_adam = {"optimizer": {"type": "Adam", "params": {"torch_adam": True}}, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
+    assert ops.needed(torch_adam) == ["ShareMemCommBuilder"]  # on a GPU, no FusedAdam JIT build before the first experiment
     assert ops.needed({"optimizer": {"type": "SGD"}, "zero_optimization": "not a dict"}) == ["ShareMemCommBuilder"]
 
 

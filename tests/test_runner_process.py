@@ -22,7 +22,7 @@ sys.exit(int(sys.argv[-2]))
 """
 
 
-def launch(tmp_path, exit_code: int):
+def launch(tmp_path, exit_code: int, accelerator=None):
     (tmp_path / "rank.py").write_text(RANK)
     out, err = tmp_path / "stdout.log", tmp_path / "stderr.log"
     for f in (out, err):
@@ -31,7 +31,7 @@ def launch(tmp_path, exit_code: int):
     cwd = os.getcwd()
     os.chdir(tmp_path)  # the rank's script is found relative to the tuner's working folder
     try:
-        proc = runner_process.start(cmd, str(out), str(err), {**os.environ, "MLAUTOTUNE_TEST_MARKER": "seen"})
+        proc = runner_process.start(cmd, str(out), str(err), {**os.environ, "MLAUTOTUNE_TEST_MARKER": "seen"}, accelerator=accelerator)
     finally:
         os.chdir(cwd)
     try:
@@ -55,6 +55,18 @@ def test_the_forked_runner_gives_the_rank_what_a_fresh_runner_process_would(tmp_
     # launch.py did not start as a new interpreter (that import is ~6 s): it is a fork of the runner
     assert runner_process.LAUNCH_MODULE not in " ".join(seen["launcher_cmdline"]) and seen["launcher_parent"] == proc.pid
     assert returncode == 3  # the rank's exit code, through launch.py and the runner
+
+
+@pytest.mark.e2e
+def test_on_a_gpu_the_runner_and_its_launch_are_new_processes(tmp_path):
+    """CUDA is not fork-safe: with any accelerator but the CPU, the runner is `python -u -m
+    deepspeed.launcher.runner ...` itself, which starts launch.py as a new interpreter too."""
+    proc, returncode, seen, stderr = launch(tmp_path, 3, accelerator="cuda")
+    assert isinstance(proc, subprocess.Popen) and proc.args[:len(runner_process.RUNNER_COMMAND)] == runner_process.RUNNER_COMMAND
+    assert seen is not None, stderr
+    assert runner_process.LAUNCH_MODULE in " ".join(seen["launcher_cmdline"])  # launch.py was started as a command
+    assert seen["pgid"] == proc.pid and seen["marker"] == "seen" and seen["dist"] == ["0", "0", "1"]
+    assert returncode == 3
 
 
 @pytest.mark.e2e
@@ -84,3 +96,21 @@ def test_a_rank_is_forked_only_when_nothing_read_at_a_process_start_differs(monk
     assert not runner_process._forkable({**rank, "KMP_DUPLICATE_LIB_OK": "False"})  # set otherwise than the import does
     assert not runner_process._forkable({**rank, "PYTHONHASHSEED": "0"})
     assert not runner_process._forkable({**rank, "MKL_NUM_THREADS": "4"})  # the fork sets OMP's count, for MKL too
+
+
+def test_a_runner_whose_group_does_not_exist_yet_is_killed_by_its_pid():
+    """A runner the server forked a moment ago may be ended (a timeout already spent while the server
+    started) before its setsid: no group of its pid exists yet. It must still be killed, not waited on."""
+    import signal
+    import threading
+
+    from mlautotune.run.experiment import _end_group
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # in our group, as a child before its setsid
+    try:
+        ended = threading.Thread(target=_end_group, args=(proc, False), daemon=True)
+        ended.start()
+        ended.join(timeout=60)
+        assert not ended.is_alive() and proc.returncode == -signal.SIGKILL
+    finally:
+        proc.kill()

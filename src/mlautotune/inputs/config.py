@@ -130,6 +130,7 @@ class MeasureConf:
     max_cpu_wait: float = 0.10  # a rank's training thread waiting for a CPU longer than this share of the window: disturbed (Linux)
     check_every: int = 2  # optimizer steps between the ranks' collective stop checks
     pin_cpu_ranks: bool = True  # CPU ranks: each on its own share of the cores (a worker only when started on its own cores)
+    synchronize: bool = True  # the accelerator is synchronised at each step's end in the window; false only to show what that changes (benchmarks/gpu_check.py)
 
 
 @dataclass

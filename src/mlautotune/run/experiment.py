@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from mlautotune.run import cpu_features, ops, probe, runner_process
+from mlautotune.run import cpu_features, failures, ops, probe, runner_process
 from mlautotune.inputs.config import MeasureConf, Resources
 from mlautotune.errors import UserError
 from mlautotune.files import atomic_write_json, atomic_write_text, inside, read_json
@@ -180,7 +180,12 @@ def _end_group(proc: runner_process.Process, graceful: bool) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
-        pass
+        # A runner forked by the server a moment ago may not have made its group yet (setsid comes first
+        # in the child, before it starts anything): then it is alone, and killed by its pid.
+        try:
+            os.kill(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     proc.wait()
     _wait_until_group_gone(proc.pid)
 
@@ -286,7 +291,12 @@ def classify(returncode: Optional[int], timed_out: bool, exp_dir: Path, timeout_
         reasons = [r["reason"] for r in ranks if r.get("reason")]
         return "incomplete", reasons[0] if reasons else "the script ended before the measurement window", {}
     headline = next((f"rank {r.get('rank')}: {r['error']}\n" for r in ranks if r.get("error")), "")
-    return "failed", f"{headline}exit code {returncode}; last lines of stderr.log:\n{_tail(exp_dir / 'stderr.log')}", {}
+    reason = f"{headline}exit code {returncode}; last lines of stderr.log:\n{_tail(exp_dir / 'stderr.log')}"
+    kind = failures.kind_of([*(r.get("error", "") for r in ranks), failures.stderr_end(exp_dir / "stderr.log")])
+    if kind == "oom":  # a CUDA or NCCL out-of-memory error the probe did not see (failures.py)
+        peak = max((r.get("peak_memory_bytes") or 0 for r in ranks), default=0)
+        return "oom", reason, {"peak_memory_bytes": peak} if peak else {}
+    return kind or "failed", reason, {}
 
 
 PORT_ATTEMPTS = 3

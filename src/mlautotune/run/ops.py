@@ -41,7 +41,10 @@ def needed(ds_config: Optional[Dict[str, Any]]) -> List[str]:
     optimizer = ds_config.get("optimizer") if isinstance(ds_config.get("optimizer"), dict) else {}
     zero = ds_config.get("zero_optimization") if isinstance(ds_config.get("zero_optimization"), dict) else {}
     offload = zero.get("offload_optimizer") if isinstance(zero.get("offload_optimizer"), dict) else {}
-    fused, cpu = OPTIMIZER_OPS.get(str(optimizer.get("type", "")).lower(), (None, None))
+    kind = str(optimizer.get("type", "")).lower()
+    if kind in ("adam", "adamw") and isinstance(optimizer.get("params"), dict) and optimizer["params"].get("torch_adam"):
+        return names  # torch's own Adam, offloaded or not (engine.get_optimizer_configuration): no op to build
+    fused, cpu = OPTIMIZER_OPS.get(kind, (None, None))
     op = cpu if str(offload.get("device", "none")).lower() == "cpu" else fused
     return names + ([op] if op else [])
 

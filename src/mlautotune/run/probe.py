@@ -43,14 +43,27 @@ def rank_file(rank) -> str:
 PARENT_FILE_PAGES: dict = {}  # in a rank forked from a process that imported torch and DeepSpeed (runner_process): its resident file pages
 
 
-def peak_memory_bytes(device: str) -> int:
-    """This rank's peak memory: the accelerator's max allocated, or the peak RSS on CPU."""
-    if device != "cpu":
-        from deepspeed.accelerator import get_accelerator
-
-        return int(get_accelerator().max_memory_allocated())
+def peak_memory_bytes(accelerator) -> int:
+    """This rank's peak memory: on a GPU (any accelerator but the CPU) the device memory its caching
+    allocator handed out (max_memory_allocated: host memory is not the limit there), on CPU the peak RSS."""
+    if accelerator.device_name() != "cpu":
+        return int(accelerator.max_memory_allocated())
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
+
+
+def limit_device_memory(accelerator, limit_bytes, local_rank: int):
+    """On a CUDA device, cap what this process's caching allocator may hold at `limit_bytes` (the
+    fraction of the device's memory torch enforces), so that a larger configuration ends in a real CUDA
+    out-of-memory error, as on a card with that much memory. The fraction set, or None (CPU: the RSS is
+    checked against the limit instead; no limit; another accelerator)."""
+    if not limit_bytes or accelerator.device_name() != "cuda":
+        return None
+    import torch
+
+    fraction = min(1.0, limit_bytes / torch.cuda.get_device_properties(local_rank).total_memory)
+    torch.cuda.set_per_process_memory_fraction(fraction, local_rank)
+    return fraction
 
 
 def process_is_alive(pid: int, create_time: float) -> bool:
@@ -120,7 +133,7 @@ class Probe:
             self.uncounted = measure.not_yet_resident(PARENT_FILE_PAGES)
 
     def check_memory(self) -> None:
-        self.peak = max(self.peak, peak_memory_bytes(self.device) + self.uncounted)
+        self.peak = max(self.peak, peak_memory_bytes(self.accelerator) + self.uncounted)
         if self.limit and self.peak > self.limit:
             self.exit_oom(f"peak memory {self.peak} bytes is over the limit of {self.limit} bytes per rank")
 
@@ -160,7 +173,7 @@ class Probe:
         """Called after every optimizer step. Inside the window the accelerator is synchronised first, so
         the step's end is when the device finished its work, not when the host ran ahead of it."""
         n = len(self.ends) + 1  # the optimizer step that just ended
-        if self.window is None and n >= self.start - 1:
+        if self.window is None and n >= self.start - 1 and self.measure.get("synchronize", True):
             self.accelerator.synchronize()
         self.ends.append(time.perf_counter())
         self.engine = engine
@@ -350,6 +363,7 @@ def main(argv) -> None:
 
     probe.accelerator = get_accelerator()
     probe.device = probe.accelerator.device_name()
+    limit_device_memory(probe.accelerator, probe.limit, int(os.environ.get("LOCAL_RANK", 0)))
     probe.count_inherited()
     threading.Thread(target=probe.watchdog, name="mlautotune-watchdog", daemon=True).start()
     if probe.settings.get("lifeline"):  # ranks on other hosts: the tuner's kill of the local group does not reach them

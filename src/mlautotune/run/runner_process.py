@@ -53,11 +53,14 @@ _server: Optional["Server"] = None
 _server_lock = threading.Lock()
 
 
-def start(cmd: List[str], stdout: str, stderr: str, env: Dict[str, str], fork_ranks: bool = False) -> "Process":
+def start(cmd: List[str], stdout: str, stderr: str, env: Dict[str, str], fork_ranks: bool = False,
+          accelerator: Optional[str] = None) -> "Process":
     """Start `cmd` in a new process group, stdin from /dev/null and its output appended to the two
     files; the runner command as a fork of the preloaded server on CPU, and with `fork_ranks` (a
-    tuning experiment, which the probe ends after its window) its local ranks as forks too."""
-    server = _cpu_server() if cmd[:len(RUNNER_COMMAND)] == RUNNER_COMMAND else None
+    tuning experiment, which the probe ends after its window) its local ranks as forks too.
+    `accelerator`: DeepSpeed's accelerator name (default: this process's); any but "cpu" gets a new process."""
+    forks = (accelerator or accelerator_name()) == "cpu"
+    server = _cpu_server() if forks and cmd[:len(RUNNER_COMMAND)] == RUNNER_COMMAND else None
     if server is not None:
         pid = server.fork({"argv": cmd[len(RUNNER_COMMAND):], "stdout": stdout, "stderr": stderr, "env": env, "cwd": os.getcwd(),
                            "fork_ranks": fork_ranks})
