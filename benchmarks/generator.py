@@ -3,7 +3,7 @@
     python benchmarks/generator.py show SEED [SEED ...]      # each landscape's traits and shape
     python benchmarks/generator.py score [--landscapes 200] [--seed0 0] [--only SEED] [--strategies ...]
                                          [--workers 1,4] [--jobs 1] [--json OUT.json] [--trace]
-    python benchmarks/generator.py table OUT.json [...]      # the figures table of records (merged by seed)
+    python benchmarks/generator.py table OUT.json [...] [--json MERGED.json]   # the figures of records (merged by seed)
 
 `make(seed)` draws a landscape's traits at random (seeded: the same seed, the same landscape) and
 returns it in the landscape format of landscape.py, with no stored points: every configuration is
@@ -476,16 +476,23 @@ def table(by: Dict[Tuple[str, int], Dict[int, Dict[str, Any]]]) -> List[str]:
     return out
 
 
-def workers_ratio(by, strategy: str) -> Optional[Tuple[float, int, int, int]]:
-    """(median over landscapes of wall hours to 99% with the most workers over 1 worker's, landscapes, counts)."""
+def both(pairs: List[Tuple[float, float]]) -> str:
+    """The median ratio over the pairs where both reached 99%, and how many they are."""
+    reached = [a / b for a, b in pairs if a != math.inf and b != math.inf and b > 0]
+    return f"{statistics.median(reached):.2f} over the {len(reached)} where both reached 99%" if reached else "none where both reached 99%"
+
+
+def workers_ratio(by, strategy: str) -> Optional[Tuple[float, int, int, int, str]]:
+    """(median over landscapes of wall hours to 99% with the most workers over 1 worker's, landscapes,
+    the two worker counts, the same median where both reached 99%)."""
     import tables
 
     counts = sorted(n for s, n in by if s == strategy)
     if len(counts) < 2:
         return None
     one, many = by[(strategy, counts[0])], by[(strategy, counts[-1])]
-    rs = [tables.ratio(tables.median([many[s]["wall_hours_to99"]]), tables.median([one[s]["wall_hours_to99"]])) for s in one if s in many]
-    return statistics.median(rs), len(rs), counts[0], counts[-1]
+    pairs = [(tables.median([many[s]["wall_hours_to99"]]), tables.median([one[s]["wall_hours_to99"]])) for s in one if s in many]
+    return statistics.median(tables.ratio(a, b) for a, b in pairs), len(pairs), counts[0], counts[-1], both(pairs)
 
 
 def workers(by) -> List[str]:
@@ -494,7 +501,13 @@ def workers(by) -> List[str]:
         w = workers_ratio(by, strategy)
         if w:
             out.append(f"- {strategy}: wall hours to 99% with {w[3]} workers / with {w[2]}, median over {w[1]} landscapes: {cell_ratio(w[0])} "
-                       f"(never with {w[3]} counts as infinity, never with {w[2]} alone as 0)")
+                       f"(never with {w[3]} counts as infinity, never with {w[2]} alone as 0); {w[4]}")
+    ds = by.get(("deepspeed_baseline", 1), {})
+    for strategy in dict.fromkeys(s for s, n in by if s != "deepspeed_baseline"):
+        rs = by.get((strategy, 1), {})
+        if ds and rs:
+            pairs = [(float(r["to99"] or math.inf), float(ds[s]["to99"] or math.inf)) for s, r in rs.items() if s in ds]
+            out.append(f"- {strategy}, 1 worker: experiments to 99% / the DeepSpeed model's, median over landscapes {cell_ratio(ds_ratio(list(rs.values()), ds))}; {both(pairs)}")
     return out
 
 
@@ -578,7 +591,7 @@ def score(args: argparse.Namespace) -> None:
             print(line(result), flush=True)
     print(summary(results), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "results": results}, indent=1))
+        Path(args.json).write_text(json.dumps({"commands": [" ".join(sys.argv)], "results": results}, indent=1))
 
 
 class _Serial:
@@ -608,6 +621,7 @@ def main() -> None:
     sc.add_argument("--trace", action="store_true", help="print every replayed experiment: params, the value the search saw, the true value")
     tb = sub.add_parser("table", help="the figures table of records written by score --json (several are merged, by seed)")
     tb.add_argument("records", nargs="+")
+    tb.add_argument("--json", metavar="OUT", help="write the merged record (each record's command kept)")
     args = ap.parse_args()
     if args.command == "show":
         for seed in args.seeds:
@@ -616,8 +630,13 @@ def main() -> None:
     elif args.command == "score":
         score(args)
     else:
-        results = {r["seed"]: r for path in args.records for r in json.loads(Path(path).read_text())["results"]}
-        print(summary([results[s] for s in sorted(results)]))
+        records = [json.loads(Path(path).read_text()) for path in args.records]
+        results = {r["seed"]: r for record in records for r in record["results"]}
+        merged = [results[s] for s in sorted(results)]
+        print(summary(merged))
+        if args.json:
+            commands = [c for record in records for c in record.get("commands", [record.get("command")])]
+            Path(args.json).write_text(json.dumps({"commands": commands, "results": merged}, indent=1))
 
 
 if __name__ == "__main__":
