@@ -19,7 +19,7 @@ from mlautotune.run.measure import WINDOW_KEYS, cut_short_note
 from mlautotune.inputs.config import MLPROJECT_KEYS as KEYS
 from mlautotune.redact import redact, redact_args, redact_text
 from mlautotune.track.report import PROVENANCE_KEY, report_artifacts, session_metrics, write_reports
-from mlautotune.search import Outcome, Tuner, first_experiments
+from mlautotune.search import METRIC_KEYS, Outcome, Tuner, first_experiments
 from mlautotune.session import SESSION_FILE, Session, hardware_params, open_session
 from mlautotune.inputs.space import plan_text
 from mlautotune.track.tracking import Tracker, TrackingObserver, child_payload, flatten, mlflow_status, parent_status
@@ -150,6 +150,9 @@ def finish(session: Session, study, tracker: Tracker, outcome: Outcome, status: 
     """Write the reports and bring the child runs in line with the study; return the arguments
     that close the parent run."""
     tracker.fill_in(study, session.memory_limit_bytes)
+    for m in outcome.measured:  # each configuration's run shows the median of its measurements, as every other view does
+        if m.repeats:
+            tracker.log_configuration(m.trial_number, METRIC_KEYS[session.at.metric], m.values, m.final_value, step=len(study.trials))
     best = outcome.best
     ds_optimal = session.make_experiment(best.params).ds_config if best else None
     cmd = optimal_cmd(session, best.params, ds_optimal) if best else None
@@ -157,6 +160,8 @@ def finish(session: Session, study, tracker: Tracker, outcome: Outcome, status: 
         session.results_dir, outcome, stages=session.plan.stages, metric=session.at.metric, status=status,
         wall_time_s=wall, session=session.name, optimal_ds_config=ds_optimal, optimal_cmd=cmd, study=study,
     )
+    if best is not None and tracker.run_id_of(best.trial_number):
+        record["tags"]["best_run_id"] = tracker.run_id_of(best.trial_number)
     session.write_record(**record)
     summary = (session.results_dir / "summary.txt").read_text()
     return {"metrics": record["metrics"], "tags": record["tags"], "artifacts": report_artifacts(session.results_dir),
