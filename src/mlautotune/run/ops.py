@@ -225,10 +225,11 @@ def environment_cache(say) -> None:
 
     default = get_default_build_root()
     own = os.path.join(default, "env-" + hashlib.sha256(os.path.realpath(sys.prefix).encode()).hexdigest()[:10])
-    if not (_comm_build_here(own) or _comm_build_elsewhere(default)):
+    fresh = not os.path.isdir(own)  # (torch's look at a build folder creates it)
+    if not ((not fresh and _comm_build_here(own)) or _comm_build_elsewhere(default)):
         return
     os.environ["TORCH_EXTENSIONS_DIR"] = own
-    if not os.path.isdir(own):
+    if fresh:
         say(f"mlautotune: {default} holds another environment's build of DeepSpeed's ops; this environment ({sys.prefix}) builds its own in {own}, "
             "so the two do not rebuild each other's.")
 
