@@ -172,6 +172,9 @@ def finish(session: Session, study, tracker: Tracker, outcome: Outcome, status: 
     )
     if best is not None and tracker.run_id_of(best.trial_number):
         record["tags"]["best_run_id"] = tracker.run_id_of(best.trial_number)
+    if best is not None:  # the study's own best_value is its best single measurement; the session's optimum is a median
+        study.set_user_attr("optimum", {"experiment": best.result.name, "trial": best.trial_number, session.at.metric: best.final_value,
+                                        "measurements": len(best.values), "search": record["tags"]["search"], "status": status})
     session.write_record(**record)
     summary = (session.results_dir / "summary.txt").read_text()
     return {"metrics": record["metrics"], "tags": record["tags"], "artifacts": report_artifacts(session.results_dir),
