@@ -33,7 +33,7 @@ def free_port() -> int:
 def start_ui(tracking_uri: str, port: int) -> subprocess.Popen:
     argv = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri, "--host", "127.0.0.1", "--port", str(port)]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 600  # minutes on a loaded machine
     while time.monotonic() < deadline:
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
@@ -43,7 +43,7 @@ def start_ui(tracking_uri: str, port: int) -> subprocess.Popen:
                 raise SystemExit(f"mlflow ui ended with status {proc.returncode}")
             time.sleep(1)
     stop(proc)
-    raise SystemExit("mlflow ui did not answer within 180 s")
+    raise SystemExit("mlflow ui did not answer within 600 s")
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -90,6 +90,7 @@ def main() -> None:
     parser.add_argument("--experiment", default="mlautotune")
     parser.add_argument("--out", default="mlflow_screenshots")
     parser.add_argument("--wait-ms", type=int, default=20000, help="how long the page's scripts run before the shot")
+    parser.add_argument("--ui-url", help="an MLflow UI already serving that store (e.g. http://127.0.0.1:5000); none is started then")
     args = parser.parse_args()
     browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
     if browser is None:
@@ -97,13 +98,14 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    proc = start_ui(args.tracking_uri, port)
+    proc = None if args.ui_url else start_ui(args.tracking_uri, port)
     try:
-        for name, url in pages(args.tracking_uri, args.experiment, f"http://127.0.0.1:{port}").items():
+        for name, url in pages(args.tracking_uri, args.experiment, (args.ui_url or f"http://127.0.0.1:{port}").rstrip("/")).items():
             screenshot(browser, url, out / f"{name}.png", args.wait_ms)
             print(f"{out / (name + '.png')}: {url}")
     finally:
-        stop(proc)
+        if proc is not None:
+            stop(proc)
 
 
 if __name__ == "__main__":

@@ -123,9 +123,9 @@ def copy_of_repo(tmp_path: Path) -> Path:
     files = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z"], capture_output=True, text=True, check=True).stdout.split("\0")
     for name in filter(None, files):
         src = ROOT / name
-        if src.is_file():
+        if src.is_symlink() or src.is_file():
             (repo / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, repo / name)
+            shutil.copy2(src, repo / name, follow_symlinks=False)
     (repo / ".venv").symlink_to(Path(sys.prefix))
     budget_the_configs(repo)
     return repo
@@ -137,7 +137,7 @@ def serve(command: str, port: int, repo: Path, env: dict) -> str:
     proc = subprocess.Popen(["bash", "-c", command], cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 600  # mlflow ui takes minutes to start on a loaded machine
         while time.monotonic() < deadline and proc.poll() is None:
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5)

@@ -322,3 +322,15 @@ def test_two_parents_of_one_session_name_get_different_run_names(tmp_path):
     assert (c.get_run(a).info.run_name, c.get_run(b).info.run_name) == ("gpt-model_based-123", "gpt-model_based-123-2")
     assert Tracker(store(tmp_path), "mlautotune", say=lambda s: None).open_parent(study(tmp_path, "a"), "gpt-model_based-123", {}, {}, []) == a
     assert c.get_run(a).info.run_name == "gpt-model_based-123"  # resumed: its name stays
+
+
+def test_the_runs_table_link_opens_with_the_metrics_as_columns(tmp_path):
+    """MLflow's runs table shows no metric column by default: the session's link opens a shared view
+    (an experiment tag the UI reads) whose columns are the metrics that rank the runs."""
+    from mlautotune.track.tracking import VIEW_TAG
+
+    t = Tracker(store(tmp_path), "mlautotune", say=lambda s: None)
+    t.open_parent(study(tmp_path), "sess", {}, {"metric": "latency"}, [])
+    view = json.loads(MlflowClient(store(tmp_path)).get_experiment(t.experiment_id).tags[VIEW_TAG])
+    assert view["selectedColumns"][:2] == ["metrics.`best_latency`", "metrics.`latency`"] and view["orderByAsc"] is True
+    assert f"runs?viewStateShareKey=mlautotune&workflowType=machine_learning" in t.where()

@@ -67,7 +67,7 @@ def _tune(session: Session) -> None:
     session.write_record(status="running", memory_limit_bytes=session.memory_limit_bytes)
     config_yaml = session.results_dir / "config.yaml"
     atomic_write_text(config_yaml, OmegaConf.to_yaml(redact(OmegaConf.to_container(session.cfg, resolve=True))))
-    tracker.open_parent(study, session.name, parent_params(session), {"mode": session.cfg.mode}, [session.ds_config_path, config_yaml],
+    tracker.open_parent(study, session.name, parent_params(session), {"mode": session.cfg.mode, "metric": session.at.metric}, [session.ds_config_path, config_yaml],
                         group=multirun_group(), script=str(session.script))
     where = tracker.where()
     if where:

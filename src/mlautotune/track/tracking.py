@@ -11,6 +11,7 @@ wall-clock time and the Optuna trial number as step, so the latest value is the 
 """
 
 import getpass
+import json
 import hashlib
 import logging
 import os
@@ -39,6 +40,8 @@ SESSION_TAG = "mlautotune.session"
 ROLE_TAG = "mlautotune.role"  # session | experiment | final_training
 GROUP_TAG = "mlautotune.multirun"  # the same value on the parents of one Hydra multirun
 SESSION_RUN_TAG = "mlautotune.session_run"  # on every experiment run: its session's parent run (a re-measurement's parent is its configuration's run)
+VIEW_KEY = "mlautotune"  # the MLflow UI's shared view of the runs table: `?viewStateShareKey=mlautotune`
+VIEW_TAG = f"mlflow.sharedViewState.{VIEW_KEY}"  # the experiment tag the UI reads that view from
 REPEAT_TAG = "mlautotune.repeat_of"  # on a re-measurement's run: the trial number of its configuration's first measurement
 MAX_PARAM_LEN = 6000  # MLflow's limits (mlflow.utils.validation)
 MAX_TAG_LEN = 8000
@@ -46,6 +49,16 @@ MAX_KEY_LEN = 250
 LONG_VALUES_DIR = "long_values"  # artifact folder for values longer than a param can hold
 TEXT_SUFFIXES = {".json", ".txt", ".log", ".yaml", ".yml", ".csv", ".cfg", ".ini", ".sh", ""}
 HINT = "mlautotune sync autotuning.results_dir={results_dir}"
+
+
+def runs_table_view(metric: str) -> Dict[str, Any]:
+    """The runs table as the session's link opens it: the metrics that rank the runs as columns (the
+    UI shows none by default), sorted by the parents' best value."""
+    key = METRIC_KEYS.get(metric, metric)
+    columns = [f"metrics.`best_{metric}`", f"metrics.`{key}`", "metrics.`measurements`", "metrics.`disturbed`", "metrics.`stage`",
+               "metrics.`micro_batch_size`", "metrics.`gradient_accumulation_steps`", "metrics.`peak_memory_fraction`", "tags.`status`",
+               "tags.`search`"]
+    return {"selectedColumns": columns, "orderByKey": f"metrics.`best_{metric}`", "orderByAsc": metric == "latency"}
 
 
 def flatten(d: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
@@ -209,6 +222,7 @@ class Tracker:
             run_tags.update(context_tags(script))
         self.parent_id = run_id
         study.set_user_attr(PARENT_KEY, run_id)
+        self.client.set_experiment_tag(self.experiment_id, VIEW_TAG, json.dumps(runs_table_view(tags.get("metric", "throughput"))))
         self._log_batch(run_id, params=params, tags=run_tags)
         for path in artifacts:
             self._upload(run_id, path, "inputs")
@@ -239,8 +253,11 @@ class Tracker:
             return ""
         uri = redact_text(self.tracking_uri)
         page = f"#/experiments/{exp.experiment_id}/runs/{self.parent_id}?workflowType=machine_learning"
-        view = f"{uri.rstrip('/')}/{page}" if uri.startswith(("http://", "https://")) else f"`mlflow ui --backend-store-uri {uri}`, then http://127.0.0.1:5000/{page}"
-        return f"mlautotune: tracked in MLflow experiment {exp.name!r}, parent run {self.parent_id} at {uri}\nmlautotune: in the MLflow UI: {view}"
+        table = f"#/experiments/{exp.experiment_id}/runs?viewStateShareKey={VIEW_KEY}&workflowType=machine_learning"
+        base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
+        start = "" if uri.startswith(("http://", "https://")) else f"`mlflow ui --backend-store-uri {uri}`, then "
+        return (f"mlautotune: tracked in MLflow experiment {exp.name!r}, parent run {self.parent_id} at {uri}\n"
+                f"mlautotune: in the MLflow UI: {start}{base}/{page}\nmlautotune: the runs table with the metrics as columns: {base}/{table}")
 
     def _existing_children(self) -> Dict[int, str]:
         return {n: run.info.run_id for n, run in self._child_runs().items()}
