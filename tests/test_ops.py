@@ -168,3 +168,16 @@ def test_an_environment_gets_its_own_op_cache_when_the_default_holds_another_env
     (build / "build.ninja").write_text(f"cflags = -I{os.path.dirname(deepspeed.__file__)} -I{os.path.dirname(torch.__file__)}\n")
     ops.environment_cache(said.append)
     assert "TORCH_EXTENSIONS_DIR" not in os.environ  # the default holds this environment's build
+
+
+def test_a_build_made_through_a_linked_environment_is_this_environments(tmp_path, monkeypatch):
+    """A `.venv` that links to the environment (how tests/test_readme.py runs the README) imports
+    DeepSpeed from the link's path: the build is still this environment's, not rebuilt."""
+    import deepspeed
+    import torch
+
+    (tmp_path / "build.ninja").write_text(f"cflags = -I{os.path.realpath(os.path.dirname(deepspeed.__file__))} -I{os.path.realpath(os.path.dirname(torch.__file__))}\n")
+    link = tmp_path / "venv-link"
+    link.symlink_to(Path(deepspeed.__file__).parents[1])  # site-packages, through a link
+    monkeypatch.setattr(deepspeed, "__file__", str(link / "deepspeed" / "__init__.py"))
+    assert ops.built_here(str(tmp_path))

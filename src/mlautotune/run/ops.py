@@ -101,7 +101,8 @@ def built_here(build_dir: str) -> bool:
             text = f.read()
     except OSError:
         return False
-    return all(os.path.dirname(os.path.abspath(m.__file__)) in text for m in (deepspeed, torch))
+    # a path through a link to the environment (a linked .venv) is the same installation
+    return all(any(p(os.path.dirname(m.__file__)) in text for p in (os.path.abspath, os.path.realpath)) for m in (deepspeed, torch))
 
 
 def up_to_date(build_dir: str) -> bool:
