@@ -4,8 +4,8 @@
 
 It starts `mlflow ui` on 127.0.0.1 only (a free port), finds the experiment's latest parent run
 (tag mlautotune.role=session) and its experiments' runs with MlflowClient, and has headless Chromium
-(`apt-get install chromium`) draw three pages into PNGs: runs_table.png (the experiment's runs,
-sorted by the session's best metric), parent.png (the parent run's page) and compare.png (MLflow's
+(`apt-get install chromium`) draw three pages into PNGs: runs_table.png (the experiment's runs in
+the view the session's console link opens: the metrics as columns, sorted by the best), parent.png (the parent run's page) and compare.png (MLflow's
 Compare of the experiments' runs). The server is stopped at the end. Nothing is written to the
 store. Look at the PNGs to see what a user sees.
 """
@@ -69,7 +69,8 @@ def pages(tracking_uri: str, experiment: str, base: str) -> dict:
     parent = parents[0]
     children = client.search_runs([exp.experiment_id], f"tags.`mlautotune.session_run` = '{parent.info.run_id}'", max_results=50)
     metric = parent.data.tags.get("metric", "throughput")
-    order = urllib.parse.urlencode({"orderByKey": f"metrics.`best_{metric}`", "orderByAsc": "false", "workflowType": "machine_learning"})
+    # the shared view the session writes (an experiment tag): the runs table with the metrics as columns
+    order = urllib.parse.urlencode({"viewStateShareKey": "mlautotune", "workflowType": "machine_learning"})
     compare = urllib.parse.urlencode({"runs": json.dumps([r.info.run_id for r in children]), "experiments": json.dumps([exp.experiment_id])})
     return {
         "runs_table": f"{base}/#/experiments/{exp.experiment_id}/runs?{order}",
