@@ -233,7 +233,8 @@ def write_reports(
         "session": session,
         "metrics": session_metrics(outcome, metric, wall_time_s, launches),
         "tags": {"status": status, "best_experiment": best.result.name if best else "", "metric": metric, "search": search_label(outcome),
-                 "disturbed": f"{disturbed['disturbed']} of {disturbed['measured']} measurements" + (f": {disturbed['cause']}" if disturbed["cause"] else ""),
+                 **({"disturbed": f"{disturbed['disturbed']} of {disturbed['measured']} measurements" + (f": {disturbed['cause']}" if disturbed["cause"] else "")}
+                    if disturbed["measured"] else {}),
                  **({"search_left": " ".join(outcome.left)} if outcome.budget_stopped else {})},
         "params": best_params(outcome),
         "ties": [m.result.name for m in outcome.ties],
