@@ -274,3 +274,24 @@ def test_cmd_optimal_is_the_experiment_command_with_arg_mappings_at_any_depth(tm
     assert args[args.index("--zero_stage") + 1] == "1" and args[args.index("--per_device_train_batch_size") + 1] == "8"
     assert args[args.index("--deepspeed_config") + 1] == optimal_path and args[:3] == ["deepspeed", "--num_gpus", "2"]
     assert args[args.index("--master_port") + 1] == "29777"  # the user's port; experiments take free ports from it
+
+
+def test_cfg_job_shows_the_settings_the_ds_config_gives(tmp_path):
+    """`--cfg job` prints the effective settings, the ds_config's autotuning section merged in."""
+    (tmp_path / "ds.json").write_text('{"autotuning": {"enabled": true, "tuner_num_trials": 7, "metric": "latency"}}')
+    code, out, err = run_cli(tmp_path, ["--cfg", "job", f"config={tmp_path / 'ds.json'}", "autotuning.tuner_type=random"])
+    assert code == 0, err
+    assert "  enabled: true" in out and "  tuner_num_trials: 7" in out and "  metric: latency" in out and "  tuner_type: random" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.json"]
+
+
+def test_mlflow_run_passes_a_multirun_flag_in_overrides_to_hydra():
+    """`mlflow run . -P overrides="-m autotuning.tuner_type=model_based,random"`: Hydra's flags go before
+    the overrides, which Hydra's own parser requires (it said "unrecognized arguments")."""
+    from hydra._internal.utils import get_args_parser
+
+    from mlautotune.mlproject import overrides
+
+    argv = overrides(["config=", "mode=tune", "num_gpus=2", "overrides=-m autotuning.tuner_type=model_based,random"])
+    args = get_args_parser().parse_args(argv)
+    assert args.multirun and sorted(args.overrides) == ["autotuning.tuner_type=model_based,random", "launcher.num_gpus=2", "mode=tune"]

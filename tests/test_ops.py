@@ -144,3 +144,42 @@ def test_a_session_builds_missing_ops_before_its_first_experiment(tmp_path):
     assert (cache / "fused_adam" / "fused_adam.so").is_file()
     assert "status: ok" in out
     assert "-laio" not in out and "gcc " not in out  # DeepSpeed's op compatibility probe compiles quietly
+
+
+def test_an_environment_gets_its_own_op_cache_when_the_default_holds_another_environments_build(tmp_path, monkeypatch):
+    """Two virtualenvs on one machine shared torch's default cache, one build per op: each switch rebuilt
+    the ops (67-193 s). The second environment now builds in a cache of its own, said once; an
+    environment whose build the default holds keeps using it."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "unset")
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    build = Path(ops._comm_build_dir())
+    assert str(build).startswith(str(tmp_path))
+    build.mkdir(parents=True, exist_ok=True)  # torch's look at the folder creates it
+    (build / "build.ninja").write_text("cflags = -I/other/venv/lib/python3.11/site-packages/deepspeed/ops/csrc\n")
+    said = []
+    ops.environment_cache(said.append)
+    own = os.environ["TORCH_EXTENSIONS_DIR"]
+    assert Path(own).parent == tmp_path / "torch_extensions" and Path(own).name.startswith("env-")
+    assert len(said) == 1 and "another environment's build" in said[0] and own in said[0]
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    import deepspeed
+    import torch
+
+    (build / "build.ninja").write_text(f"cflags = -I{os.path.dirname(deepspeed.__file__)} -I{os.path.dirname(torch.__file__)}\n")
+    ops.environment_cache(said.append)
+    assert "TORCH_EXTENSIONS_DIR" not in os.environ  # the default holds this environment's build
+
+
+def test_a_build_made_through_a_linked_environment_is_this_environments(tmp_path, monkeypatch):
+    """A `.venv` that links to the environment (how tests/test_readme.py runs the README) imports
+    DeepSpeed from the link's path: the build is still this environment's, not rebuilt."""
+    import deepspeed
+    import torch
+
+    (tmp_path / "build.ninja").write_text(f"cflags = -I{os.path.realpath(os.path.dirname(deepspeed.__file__))} -I{os.path.realpath(os.path.dirname(torch.__file__))}\n")
+    link = tmp_path / "venv-link"
+    link.symlink_to(Path(deepspeed.__file__).parents[1])  # site-packages, through a link
+    monkeypatch.setattr(deepspeed, "__file__", str(link / "deepspeed" / "__init__.py"))
+    assert ops.built_here(str(tmp_path))

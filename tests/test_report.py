@@ -51,3 +51,88 @@ def test_the_summary_names_the_configurations_the_measurements_cannot_rank_again
     summary = (tmp_path / "summary.txt").read_text()
     assert "Within the measurement interval of it, so as good as far as these measurements tell: z1_gas1_tmbspg8 98 (+-5.0%)" in summary
     assert json.loads((tmp_path / "session.json").read_text())["ties"] == ["z1_gas1_tmbspg8"]
+
+
+def test_every_file_gives_the_re_measured_winner_its_median(tmp_path):
+    """The winner measured 90, 101 and 96: summary.txt, trials.csv, session.json, ds_config_optimal.json
+    and the best-so-far curve all give 96, the median, not the first measurement."""
+    import csv
+    import json
+
+    from mlautotune.track.report import _best_so_far
+
+    a = measured("z0_gas1_tmbspg4", 0, 4, 90.0, repeats=[101.0, 96.0], trial=0)
+    b = measured("z1_gas1_tmbspg4", 1, 4, 92.0, trial=1)
+    outcome = Outcome(best=a, stage_best={0: a, 1: b}, measured=[a, b], experiments=4)
+    write_reports(tmp_path, outcome, stages=[0, 1], metric="throughput", status="complete", wall_time_s=30.0, session="s",
+                  optimal_ds_config={"train_micro_batch_size_per_gpu": 4}, optimal_cmd="deepspeed x")
+    assert "Optimum: z0_gas1_tmbspg4  throughput=96 " in (tmp_path / "summary.txt").read_text()
+    rows = {r["experiment"]: r for r in csv.DictReader((tmp_path / "trials.csv").open())}
+    assert float(rows["z0_gas1_tmbspg4"]["throughput"]) == 96.0 and rows["z0_gas1_tmbspg4"]["measurements"] == "3"
+    assert rows["z0_gas1_tmbspg4"]["values"] == "90 101 96"
+    assert json.loads((tmp_path / "session.json").read_text())["metrics"]["best_throughput"] == 96.0
+    assert json.loads((tmp_path / "ds_config_optimal.json").read_text())["mlautotune"]["value"] == 96.0
+    assert _best_so_far(outcome, "throughput")[-1] == 96.0  # history.png and best_so_far.png
+
+
+def disturbed(name, stage, mbs, value, wait, trial):
+    m = measured(name, stage, mbs, value, trial=trial)
+    m.result.metrics.update(disturbed=wait > 0.1, cpu_wait_share=wait)
+    return m
+
+
+def test_disturbed_measurements_are_counted_in_the_summary_and_the_record(tmp_path):
+    import json
+
+    a, b = disturbed("z0_gas1_tmbspg4", 0, 4, 100.0, 0.3, 0), disturbed("z0_gas1_tmbspg8", 0, 8, 90.0, 0.0, 1)
+    outcome = Outcome(best=a, stage_best={0: a}, measured=[a, b], experiments=2)
+    write_reports(tmp_path, outcome, stages=[0], metric="throughput", status="complete", wall_time_s=30.0, session="s",
+                  optimal_ds_config=None, optimal_cmd=None)
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "Warning: 1 of 2 measurements (50%) were disturbed: the ranks' training threads waited for a CPU 30% of the window" in summary
+    assert "MOSTLY DISTURBED" not in summary
+    record = json.loads((tmp_path / "session.json").read_text())
+    assert record["metrics"]["disturbed_share"] == 0.5 and record["tags"]["disturbed"].startswith("1 of 2 measurements")
+
+
+def test_a_mostly_disturbed_session_says_so_first_with_the_cause_and_the_fix(tmp_path):
+    a, b = disturbed("z0_gas1_tmbspg4", 0, 4, 100.0, 0.4, 0), disturbed("z0_gas1_tmbspg8", 0, 8, 90.0, 0.5, 1)
+    outcome = Outcome(best=a, stage_best={0: a}, measured=[a, b], experiments=2)
+    write_reports(tmp_path, outcome, stages=[0], metric="throughput", status="complete", wall_time_s=30.0, session="s",
+                  optimal_ds_config=None, optimal_cmd=None)
+    first = (tmp_path / "summary.txt").read_text().splitlines()[0]
+    assert first.startswith("MOSTLY DISTURBED: 2 of 2 measurements (100%) were disturbed")
+    assert "other processes were using the cores" in first and "Tune on a machine that runs nothing else" in first
+
+
+def test_a_session_the_budget_stopped_is_labelled_so_with_what_was_left(tmp_path):
+    import json
+
+    a = measured("z0_gas1_tmbspg4", 0, 4, 100.0, trial=0)
+    outcome = Outcome(best=a, stage_best={0: a}, measured=[a], experiments=1, left=["z1_gas1_tmbspg4", "z1: its first look"])
+    write_reports(tmp_path, outcome, stages=[0, 1], metric="throughput", status="complete", wall_time_s=30.0, session="s",
+                  optimal_ds_config={"train_micro_batch_size_per_gpu": 4}, optimal_cmd="deepspeed x")
+    summary = (tmp_path / "summary.txt").read_text()
+    assert summary.startswith("STOPPED BY THE BUDGET: the search was not finished. Next it would have measured z1_gas1_tmbspg4 (z1: its first look).")
+    assert "Tuning stopped by the budget after" in summary
+    record = json.loads((tmp_path / "session.json").read_text())
+    assert record["tags"]["search"] == "stopped_by_budget" and record["tags"]["search_left"].startswith("z1_gas1_tmbspg4")
+    assert json.loads((tmp_path / "ds_config_optimal.json").read_text())["mlautotune"]["search"] == "stopped_by_budget"
+    finished = Outcome(best=a, stage_best={0: a}, measured=[a], experiments=1)
+    write_reports(tmp_path, finished, stages=[0], metric="throughput", status="complete", wall_time_s=30.0, session="s",
+                  optimal_ds_config=None, optimal_cmd=None)
+    assert json.loads((tmp_path / "session.json").read_text())["tags"]["search"] == "finished"
+
+
+def test_result_files_are_readable_by_the_team(tmp_path):
+    """Files get the mode the umask gives (0644 under 022), not mkstemp's 0600."""
+    import os
+
+    from mlautotune.files import atomic_write_text
+
+    old = os.umask(0o022)
+    try:
+        path = atomic_write_text(tmp_path / "summary.txt", "x")
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o644

@@ -287,3 +287,50 @@ class mlflow_server:
 
         os.killpg(self.proc.pid, signal.SIGTERM)
         self.proc.wait(timeout=30)
+
+
+def test_a_re_measurement_is_nested_under_its_configuration_whose_run_shows_the_median(tmp_path):
+    """The configuration's run is the one the parent's best_run_id points at: its metric is the median of
+    its measurements, and its re-measurement is a run nested under it, found again on resume."""
+    from mlautotune.track.tracking import REPEAT_TAG
+
+    st = study(tmp_path)
+    t = Tracker(store(tmp_path), "mlautotune", say=lambda s: None)
+    parent = t.open_parent(st, "sess", {}, {}, [])
+    first = t.child_started(0, "z0_gas1_tmbspg4", {}, {})
+    t.child_finished(0, "z0_gas1_tmbspg4", {}, {"throughput": 90.0}, {"status": "ok"}, None, "FINISHED")
+    rep = t.child_started(1, "z0_gas1_tmbspg4_rep1", {}, {REPEAT_TAG: "0"})
+    t.child_finished(1, "z0_gas1_tmbspg4_rep1", {}, {"throughput": 101.0}, {"status": "ok", REPEAT_TAG: "0"}, None, "FINISHED")
+    t.log_configuration(0, "throughput", [90.0, 101.0], 95.5, step=1)
+    c = MlflowClient(store(tmp_path))
+    assert c.get_run(rep).data.tags["mlflow.parentRunId"] == first
+    assert c.get_run(first).data.tags["mlflow.parentRunId"] == parent
+    assert c.get_run(first).data.metrics["throughput"] == 95.5 and c.get_run(first).data.metrics["measurements"] == 2
+    assert [m.value for m in c.get_metric_history(first, "throughput")] == [90.0, 95.5]
+    again = Tracker(store(tmp_path), "mlautotune", say=lambda s: None)
+    again.open_parent(st, "sess", {}, {}, [])
+    assert again.run_id_of(1) == rep  # the nested run is the session's too: a resume does not create it twice
+
+
+def test_two_parents_of_one_session_name_get_different_run_names(tmp_path):
+    """The same settings tuned in two results folders: two studies, one name; the MLflow table tells them apart."""
+    t = Tracker(store(tmp_path), "mlautotune", say=lambda s: None)
+    a = t.open_parent(study(tmp_path, "a"), "gpt-model_based-123", {}, {}, [])
+    b = Tracker(store(tmp_path), "mlautotune", say=lambda s: None).open_parent(
+        optuna.create_study(storage=f"sqlite:///{tmp_path / 'other.db'}", study_name="gpt-model_based-123"), "gpt-model_based-123", {}, {}, [])
+    c = MlflowClient(store(tmp_path))
+    assert (c.get_run(a).info.run_name, c.get_run(b).info.run_name) == ("gpt-model_based-123", "gpt-model_based-123-2")
+    assert Tracker(store(tmp_path), "mlautotune", say=lambda s: None).open_parent(study(tmp_path, "a"), "gpt-model_based-123", {}, {}, []) == a
+    assert c.get_run(a).info.run_name == "gpt-model_based-123"  # resumed: its name stays
+
+
+def test_the_runs_table_link_opens_with_the_metrics_as_columns(tmp_path):
+    """MLflow's runs table shows no metric column by default: the session's link opens a shared view
+    (an experiment tag the UI reads) whose columns are the metrics that rank the runs."""
+    from mlautotune.track.tracking import VIEW_TAG
+
+    t = Tracker(store(tmp_path), "mlautotune", say=lambda s: None)
+    t.open_parent(study(tmp_path), "sess", {}, {"metric": "latency"}, [])
+    view = json.loads(MlflowClient(store(tmp_path)).get_experiment(t.experiment_id).tags[VIEW_TAG])
+    assert view["selectedColumns"][:2] == ["metrics.`best_latency`", "metrics.`latency`"] and view["orderByAsc"] is True
+    assert f"runs?viewStateShareKey=mlautotune&workflowType=machine_learning" in t.where()

@@ -41,7 +41,7 @@ example:
       autotuning.tuner_num_trials=20
 
 more:
-  mlautotune --cfg job [key=value ...]   the full composed config with every key and default
+  mlautotune --cfg job [key=value ...]   the effective settings, every key (conf < ds_config < command line)
   mlautotune -m autotuning.tuner_type=model_based,random   a Hydra multirun
   mlautotune --info / --hydra-help       Hydra's own information
   README.md (Configuration) and docs/bad-inputs.md
@@ -107,8 +107,37 @@ def main(argv=None) -> None:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     if not {"-m", "--multirun"} & set(argv):
         check_overrides(argv)
+        if _cfg_job(argv):
+            return print_effective_settings([a for a in argv if a not in ("--cfg", "-c", "job", "--cfg=job")])
     sys.argv = [sys.argv[0], *argv]
     app()
+
+
+def _cfg_job(argv) -> bool:
+    """`--cfg job` (Hydra's print of the composed config), without Hydra's other printing options."""
+    asked = "--cfg=job" in argv or any(a in ("--cfg", "-c") and argv[i + 1 : i + 2] == ["job"] for i, a in enumerate(argv))
+    return asked and not {"--package", "-p", "--resolve", "--cfg=hydra", "--cfg=all"} & set(argv)
+
+
+def print_effective_settings(argv) -> None:
+    """`--cfg job`: the settings a session runs with, every key: conf/ < the ds_config's autotuning
+    section < the command line (Hydra alone composes conf/ and the command line, not the ds_config)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from mlautotune.inputs import config as configlib
+    from mlautotune.inputs.checks import given_path
+
+    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=overrides)
+        ds_path = given_path(cfg.config, "config", "your ds_config.json", configlib.BUNDLED_CONFIG)
+        final = configlib.settings(cfg, configlib.load_ds_config(ds_path), overrides)
+    except UserError as e:
+        fail(e)
+    print(f"# the effective settings: conf/ < {ds_path}'s autotuning section < the command line")
+    print(OmegaConf.to_yaml(final), end="")
 
 
 def check_overrides(argv) -> None:

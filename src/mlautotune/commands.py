@@ -16,10 +16,10 @@ from mlautotune.errors import UserError
 from mlautotune.files import atomic_write_text, read_json
 from mlautotune.run.experiment import plain_command, prepare
 from mlautotune.run.measure import WINDOW_KEYS, cut_short_note
-from mlautotune.inputs.config import MLPROJECT_KEYS as KEYS
 from mlautotune.redact import redact, redact_args, redact_text
-from mlautotune.track.report import PROVENANCE_KEY, report_artifacts, session_metrics, write_reports
-from mlautotune.search import Outcome, Tuner, first_experiments
+from mlautotune.track.report import (MOSTLY_DISTURBED, PROVENANCE_KEY, budget_text, disturbance, disturbance_text, launch_results, report_artifacts,
+                                     session_metrics, write_reports)
+from mlautotune.search import METRIC_KEYS, Outcome, Tuner, first_experiments
 from mlautotune.session import SESSION_FILE, Session, hardware_params, open_session
 from mlautotune.inputs.space import plan_text
 from mlautotune.track.tracking import Tracker, TrackingObserver, child_payload, flatten, mlflow_status, parent_status
@@ -67,7 +67,7 @@ def _tune(session: Session) -> None:
     session.write_record(status="running", memory_limit_bytes=session.memory_limit_bytes)
     config_yaml = session.results_dir / "config.yaml"
     atomic_write_text(config_yaml, OmegaConf.to_yaml(redact(OmegaConf.to_container(session.cfg, resolve=True))))
-    tracker.open_parent(study, session.name, parent_params(session), {"mode": session.cfg.mode}, [session.ds_config_path, config_yaml],
+    tracker.open_parent(study, session.name, parent_params(session), {"mode": session.cfg.mode, "metric": session.at.metric}, [session.ds_config_path, config_yaml],
                         group=multirun_group(), script=str(session.script))
     where = tracker.where()
     if where:
@@ -109,9 +109,19 @@ def _tune(session: Session) -> None:
     console.say(f"mlautotune: optimal config: {session.results_dir / 'ds_config_optimal.json'}")
     console.say(f"mlautotune: command (secrets masked here, not in cmd_optimal.txt): {redact_text((session.results_dir / 'cmd_optimal.txt').read_text().strip())}")
     lr_advice(session, outcome, console)
+    closing_warnings(outcome, study, console)
     if session.cfg.mode == "run":
         closing["metrics"].update(final_training(session, study, tracker, outcome, console))
     tracker.close_parent(**closing)
+
+
+def closing_warnings(outcome: Outcome, study, console: Console) -> None:
+    """The session's last lines: a search the budget stopped, and a session whose measurements were mostly disturbed."""
+    if outcome.budget_stopped:
+        console.say("mlautotune: " + budget_text(outcome))
+    d = disturbance(launch_results(outcome, study))
+    if d["share"] > MOSTLY_DISTURBED:
+        console.say("mlautotune: warning: " + disturbance_text(d).removeprefix("Warning: "))
 
 
 def _fail_on_os_error(session: Session, study, tracker: Tracker, outcome: Outcome, wall: float, error: OSError, console: Console) -> None:
@@ -150,6 +160,9 @@ def finish(session: Session, study, tracker: Tracker, outcome: Outcome, status: 
     """Write the reports and bring the child runs in line with the study; return the arguments
     that close the parent run."""
     tracker.fill_in(study, session.memory_limit_bytes)
+    for m in outcome.measured:  # each configuration's run shows the median of its measurements, as every other view does
+        if m.repeats:
+            tracker.log_configuration(m.trial_number, METRIC_KEYS[session.at.metric], m.values, m.final_value, step=len(study.trials))
     best = outcome.best
     ds_optimal = session.make_experiment(best.params).ds_config if best else None
     cmd = optimal_cmd(session, best.params, ds_optimal) if best else None
@@ -157,6 +170,11 @@ def finish(session: Session, study, tracker: Tracker, outcome: Outcome, status: 
         session.results_dir, outcome, stages=session.plan.stages, metric=session.at.metric, status=status,
         wall_time_s=wall, session=session.name, optimal_ds_config=ds_optimal, optimal_cmd=cmd, study=study,
     )
+    if best is not None and tracker.run_id_of(best.trial_number):
+        record["tags"]["best_run_id"] = tracker.run_id_of(best.trial_number)
+    if best is not None:  # the study's own best_value is its best single measurement; the session's optimum is a median
+        study.set_user_attr("optimum", {"experiment": best.result.name, "trial": best.trial_number, session.at.metric: best.final_value,
+                                        "measurements": len(best.values), "search": record["tags"]["search"], "status": status})
     session.write_record(**record)
     summary = (session.results_dir / "summary.txt").read_text()
     return {"metrics": record["metrics"], "tags": record["tags"], "artifacts": report_artifacts(session.results_dir),
@@ -172,8 +190,10 @@ def optimal_cmd(session: Session, params: Dict[str, Any], ds_config: Dict[str, A
 
 def parent_params(session: Session) -> Dict[str, Any]:
     """The parent's params, each once: the effective settings (not the tuner presets, not the
-    ds_config's own autotuning section, not what `mlflow run` already logged under its parameter
-    names), the user's ds_config, the script and the hardware. Empty values are left out."""
+    ds_config's own autotuning section), the user's ds_config, the script and the hardware. Empty
+    values are left out. The names are the same however the session was started: under `mlflow run`,
+    the MLproject's own parameters (`num_gpus`) are there as well, and `launcher.num_gpus` too, so
+    MLflow's Compare lines up sessions started either way."""
     cfg = OmegaConf.to_container(session.cfg, resolve=True)
     params = {k: v for k, v in flatten({k: cfg[k] for k in ("autotuning", "launcher", "search", "mode")}).items() if v not in (None, "", [])}
     params.pop("autotuning.enabled", None)
@@ -188,9 +208,6 @@ def parent_params(session: Session) -> Dict[str, Any]:
         }
     )
     params.update(hardware_params(session))
-    mlflow_run_params = os.environ.get("MLFLOW_RUN_ID") and os.environ.get("MLAUTOTUNE_MLPROJECT_PARAMS", "")
-    for name in (mlflow_run_params or "").split(","):  # logged by `mlflow run` under the MLproject's names
-        params.pop(KEYS.get(name, "-"), None)
     return params
 
 

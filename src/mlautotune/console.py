@@ -35,8 +35,20 @@ class Console:
     def experiment_finished(self, exp: Any, measured: Any, best: Optional[Any]) -> None:
         r = measured.result
         value = f"{measured.value:,.4g} {UNITS[self.metric]}" if measured.value is not None else _short(r.reason)
+        if measured.value is not None and r.metrics.get("disturbed"):
+            value += f" DISTURBED ({disturbed_cause(r.metrics)})"
         best_text = f"{best.result.name} {best.final_value:,.4g}" if best is not None else "none yet"
+        if best is not None and len(best.values) > 1:
+            best_text += f" (median of {len(best.values)} measurements)"
         self.say(f"{self._counter(exp)} {exp.name} {r.status:<10} {value}  ({r.wall_time_s:.1f} s)  best: {best_text}")
+
+
+def disturbed_cause(metrics: dict) -> str:
+    """Why the probe called a window disturbed, in a few words."""
+    wait, shift = float(metrics.get("cpu_wait_share") or 0.0), float(metrics.get("step_time_shift") or 0.0)
+    if wait >= shift:
+        return f"the training threads waited for a CPU {wait:.0%} of the window: other processes use the cores"
+    return f"the step time shifted {shift:.0%} within the window"
 
 
 def _short(reason: str) -> str:

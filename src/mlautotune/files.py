@@ -9,9 +9,13 @@ from typing import Any
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write through a temporary file renamed into place. The file gets the mode the user's umask
+    gives new files (0644 under the usual 022), as any other program's output would: a team's shared
+    results folder stays readable to the team."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.fchmod(fd, 0o666 & ~_umask())
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
@@ -23,6 +27,12 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
             os.unlink(tmp)
         raise
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0o22)  # reading the umask means setting it: set it back at once
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_json(path: str | os.PathLike, data: Any) -> Path:

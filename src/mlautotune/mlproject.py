@@ -1,6 +1,5 @@
 """The MLproject's entry point: MLflow parameters -> Hydra overrides (empty ones dropped) -> the app."""
 
-import os
 import shlex
 import sys
 
@@ -12,22 +11,21 @@ KEYS = MLPROJECT_KEYS
 
 
 def overrides(argv: list) -> list:
-    out = []
+    """The Hydra command line: the `overrides` parameter's words first (Hydra's flags, such as `-m`
+    for a multirun, must come before the key=value overrides), then one override per MLflow parameter."""
+    first, out = [], []
     for arg in argv:
         name, _, value = arg.partition("=")
         if name == "overrides":
-            out += shlex.split(value)
+            first += shlex.split(value)
         elif name in KEYS and value != "":
             out.append(f"{KEYS[name]}={hydra_quote(value) if name in ('script_args', 'config', 'script', 'hostfile', 'results_dir') else value}")
         elif name not in KEYS:
             raise SystemExit(f"mlautotune: error: unknown MLproject parameter {name!r}; known: {', '.join(KEYS)}, overrides.")
-    return out
+    return first + out
 
 
 def main() -> None:
-    # The params `mlflow run` logged on the run it created, so the session does not log them twice.
-    given = [a.partition("=")[0] for a in sys.argv[1:] if a.partition("=")[2] != ""]
-    os.environ["MLAUTOTUNE_MLPROJECT_PARAMS"] = ",".join(n for n in given if n in KEYS)
     sys.argv = [sys.argv[0], *overrides(sys.argv[1:])]
     cli.main()
 

@@ -5,6 +5,7 @@ import json
 import os
 import socket
 import sys
+import warnings
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -137,9 +138,14 @@ class Session:
     def open_study(self, store: Optional[optuna.storages.BaseStorage] = None) -> optuna.Study:
         direction = "minimize" if self.at.metric == "latency" else "maximize"
         try:
-            return optuna.create_study(storage=store or self.storage, study_name=self.name, direction=direction, load_if_exists=True)
+            study = optuna.create_study(storage=store or self.storage, study_name=self.name, direction=direction, load_if_exists=True)
         except ValueError as e:
             raise UserError(f"The Optuna study {self.name!r} in {self.storage} cannot be used: {e}.", "Pick another search.session name or storage.")
+        if study.metric_names != [self.at.metric]:  # optuna-dashboard names the objective after it
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                study.set_metric_names([self.at.metric])
+        return study
 
     def write_record(self, **fields: Any) -> None:
         path = self.results_dir / SESSION_FILE
@@ -186,14 +192,28 @@ def open_session(cfg: DictConfig, dry_run: bool = False, lock: bool = False, wor
     check_tracking_uri(final.tracking.tracking_uri, create=not dry_run)
     remember_secrets(script_args, storage, final.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", ""), ds_config)
     held = SessionLock(results_dir, name, shared=worker).acquire() if lock else None
+    previous = owner(results_dir)
+    changed = previous is not None and previous != name and not worker  # other settings: that session is archived, this one starts
+    if changed:
+        plan.notices.append(f"{results_dir} held the session {previous}, whose settings differ from this one's: "
+                            + ("it would be moved to previous_sessions/ there and this session would start." if dry_run else
+                               f"its files are moved to {results_dir / 'previous_sessions'}/ and this session starts."))
     try:
-        check_owner(results_dir, name, final.autotuning.overwrite)
-        if lock and final.autotuning.overwrite:
+        check_owner(results_dir, name, final.autotuning.overwrite or changed)
+        if lock and (final.autotuning.overwrite or changed):
             archive_previous_session(results_dir)
     except BaseException:
         held and held.release()
         raise
     return Session(final, ds_path, ds_config, plan, script, script_args, resources, ws, results_dir, exps_dir, name, storage, limit, device, held, worker)
+
+
+def owner(results_dir: Path) -> Optional[str]:
+    """The session whose files results_dir holds, if any."""
+    try:
+        return read_json(results_dir / SESSION_FILE).get("session") or None
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def identity(cfg: DictConfig, ds_config: Dict[str, Any], script: Path, script_args: List[str], world_size: Optional[int] = None) -> str:

@@ -123,7 +123,7 @@ def open_parent_once(tracker: Tracker, store, study: optuna.Study, session: Sess
     if not tracker.enabled:
         return
     if claim_once(store, session.name, "parent"):
-        tracker.open_parent(study, session.name, parent_params(session), {"mode": "tune"}, artifacts, script=str(session.script))
+        tracker.open_parent(study, session.name, parent_params(session), {"mode": "tune", "metric": session.at.metric}, artifacts, script=str(session.script))
     else:
         deadline = time.monotonic() + PARENT_WAIT_S
         while PARENT_KEY not in study.user_attrs and time.monotonic() < deadline:

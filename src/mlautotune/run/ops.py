@@ -104,7 +104,8 @@ def built_here(build_dir: str) -> bool:
             text = f.read()
     except OSError:
         return False
-    return all(os.path.dirname(os.path.abspath(m.__file__)) in text for m in (deepspeed, torch))
+    # a path through a link to the environment (a linked .venv) is the same installation
+    return all(any(p(os.path.dirname(m.__file__)) in text for p in (os.path.abspath, os.path.realpath)) for m in (deepspeed, torch))
 
 
 def up_to_date(build_dir: str) -> bool:
@@ -215,11 +216,63 @@ def build(names: List[str], timeout_s: float = 1800.0) -> subprocess.CompletedPr
                           timeout=timeout_s, stdin=subprocess.DEVNULL)
 
 
+def environment_cache(say) -> None:
+    """Give this environment an extension cache of its own when torch's shared default holds another
+    environment's build of the ops (another virtualenv's DeepSpeed or torch): the two would rebuild
+    each other's ops at every switch (one build per op in that cache). TORCH_EXTENSIONS_DIR, set here,
+    is inherited by every experiment; one the user set is left alone."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return
+    import hashlib
+
+    default = get_default_build_root()
+    own = os.path.join(default, "env-" + hashlib.sha256(os.path.realpath(sys.prefix).encode()).hexdigest()[:10])
+    fresh = not os.path.isdir(own)  # (torch's look at a build folder creates it)
+    if not ((not fresh and _comm_build_here(own)) or _comm_build_elsewhere(default)):
+        return
+    os.environ["TORCH_EXTENSIONS_DIR"] = own
+    if fresh:
+        say(f"mlautotune: {default} holds another environment's build of DeepSpeed's ops; this environment ({sys.prefix}) builds its own in {own}, "
+            "so the two do not rebuild each other's.")
+
+
+def _comm_build_dir() -> Optional[str]:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    builder = _builder(COMM_OP)
+    return _get_build_directory(builder.name, verbose=False) if builder is not None else None
+
+
+def _comm_build_here(root: str) -> bool:
+    """root holds this environment's build of the comm op."""
+    saved = os.environ.get("TORCH_EXTENSIONS_DIR")
+    os.environ["TORCH_EXTENSIONS_DIR"] = root
+    try:
+        build_dir = _comm_build_dir()
+        return build_dir is not None and os.path.isdir(build_dir) and built_here(build_dir)
+    finally:
+        os.environ.pop("TORCH_EXTENSIONS_DIR") if saved is None else os.environ.__setitem__("TORCH_EXTENSIONS_DIR", saved)
+
+
+def _comm_build_elsewhere(root: str) -> bool:
+    """root (torch's default cache) holds another environment's build of the comm op."""
+    saved = os.environ.pop("TORCH_EXTENSIONS_DIR", None)
+    try:
+        build_dir = _comm_build_dir()
+        return build_dir is not None and os.path.isfile(os.path.join(build_dir, "build.ninja")) and not built_here(build_dir)
+    finally:
+        if saved is not None:
+            os.environ["TORCH_EXTENSIONS_DIR"] = saved
+
+
 def ensure_built(ds_config: Optional[Dict[str, Any]], say) -> float:
     """Build what an experiment with this config would compile on first use; return the seconds spent.
     A build that fails is reported and left to the experiments (which then fail with DeepSpeed's own error)."""
     import time
 
+    environment_cache(say)
     remove_stale_locks(ds_config, say)
     missing = unbuilt(needed(ds_config))
     if not missing:

@@ -45,10 +45,13 @@ def distributions(plan: TuningPlan) -> Dict[str, BaseDistribution]:
     """One distribution per plain param name for the whole study, so trials of every stage share
     them (Optuna refuses a name whose distribution changes): stage and sizes as integers, each knob
     as a categorical over its values in all of the plan's stages."""
+    # A param that has one value in the session (gas without max_train_batch_size, a single stage) is
+    # not searched: its distribution holds that value only, and Optuna's importances rate it 0.
+    gas = (1, MAX_SIZE) if plan.max_train_batch_size else (plan.gas, plan.gas)
     dists: Dict[str, BaseDistribution] = {
-        "stage": IntDistribution(0, 3),
+        "stage": IntDistribution(min(plan.stages), max(plan.stages)),
         "micro_batch": IntDistribution(1, MAX_SIZE, log=True),
-        "gas": IntDistribution(1, MAX_SIZE, log=True),
+        "gas": IntDistribution(*gas, log=True),
     }
     choices: Dict[str, List[Any]] = {}
     for stage in plan.stages:

@@ -23,6 +23,12 @@ class Outcome:
     experiments: int  # launches actually run in this session (reused results excluded)
     notes: List[str] = field(default_factory=list)
     ties: List[Measured] = field(default_factory=list)  # configurations within the measurement interval of the best, best first
+    left: List[str] = field(default_factory=list)  # when the budget stopped the search: what it would have measured next, and why
+
+    @property
+    def budget_stopped(self) -> bool:
+        """The budget ended the search while it still had something worth measuring."""
+        return bool(self.left)
 
 
 class Tuner:
@@ -35,6 +41,7 @@ class Tuner:
         self.strategy = Strategy(plan, settings)
         self.launched = 0  # experiments started by this process
         self._told: set = set()  # notes and stages already passed to the observers
+        self.left: List[str] = []  # the step the budget stopped: its experiment's name and why it was worth running
 
     @property
     def interrupted(self) -> List[int]:
@@ -71,7 +78,9 @@ class Tuner:
             step = Step(again[0], "run again: its experiment was cut off") if again else self.strategy.next(self.ledger)
             if step is not None and self.ledger.spent >= self.s.num_trials:  # re-measurements and other workers' running trials count
                 del self.strategy.notes[said:]  # what the step would have done ("re-measuring ...") is not done
+                self.left = [self.make_experiment(step.params).name + (" again" if step.repeat_of is not None else ""), step.why]
                 return "budget"
+            self.left = []
             self._flush_notes()
             if step is None:
                 return None
@@ -88,6 +97,7 @@ class Tuner:
         exp = self.make_experiment(params)
         if step.repeat_of is not None:
             exp.name = f"{exp.name}_rep{len(step.repeat_of.repeats) + 1}"
+            trial.set_user_attr("remeasurement_of", step.repeat_of.result.name)  # optuna-dashboard: a repeat, not a duplicate
         trial.set_user_attr("name", exp.name)
         trial.set_user_attr("why", step.why)
         self._notify("experiment_started", exp, trial)
@@ -103,6 +113,8 @@ class Tuner:
         if not had_model and self.strategy.memory is not None:
             self._notify("profiled", self.strategy.memory, [m])
         self._notify("experiment_finished", exp, m, self.best())
+        if step.repeat_of is not None:
+            self._notify("remeasured", step.repeat_of, m)
         self._window_notes([m])
         return m
 
@@ -137,4 +149,4 @@ class Tuner:
         stage_best = {s: b for s in self.plan.stages if (b := self.strategy.best([m for m in runs if m.params["stage"] == s])) is not None}
         best, st = self.best(), self.strategy
         ties = sorted((m for m in runs if m.value is not None and m is not best and st.tied(best, m)), key=lambda m: -st.score(m.final_value)) if best else []
-        return Outcome(best, stage_best, list(runs), self.launched, list(self.notes), ties)
+        return Outcome(best, stage_best, list(runs), self.launched, list(self.notes), ties, list(self.left))

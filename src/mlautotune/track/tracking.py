@@ -11,6 +11,7 @@ wall-clock time and the Optuna trial number as step, so the latest value is the 
 """
 
 import getpass
+import json
 import hashlib
 import logging
 import os
@@ -22,12 +23,13 @@ import tempfile
 import time
 import unicodedata
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
 from mlautotune.run.measure import WINDOW_KEYS
+from mlautotune.search import METRIC_KEYS
 from mlautotune.redact import redact, redact_text
 
 log = logging.getLogger("mlautotune")
@@ -37,12 +39,26 @@ TRIAL_TAG = "mlautotune.trial"
 SESSION_TAG = "mlautotune.session"
 ROLE_TAG = "mlautotune.role"  # session | experiment | final_training
 GROUP_TAG = "mlautotune.multirun"  # the same value on the parents of one Hydra multirun
+SESSION_RUN_TAG = "mlautotune.session_run"  # on every experiment run: its session's parent run (a re-measurement's parent is its configuration's run)
+VIEW_KEY = "mlautotune"  # the MLflow UI's shared view of the runs table: `?viewStateShareKey=mlautotune`
+VIEW_TAG = f"mlflow.sharedViewState.{VIEW_KEY}"  # the experiment tag the UI reads that view from
+REPEAT_TAG = "mlautotune.repeat_of"  # on a re-measurement's run: the trial number of its configuration's first measurement
 MAX_PARAM_LEN = 6000  # MLflow's limits (mlflow.utils.validation)
 MAX_TAG_LEN = 8000
 MAX_KEY_LEN = 250
 LONG_VALUES_DIR = "long_values"  # artifact folder for values longer than a param can hold
 TEXT_SUFFIXES = {".json", ".txt", ".log", ".yaml", ".yml", ".csv", ".cfg", ".ini", ".sh", ""}
 HINT = "mlautotune sync autotuning.results_dir={results_dir}"
+
+
+def runs_table_view(metric: str) -> Dict[str, Any]:
+    """The runs table as the session's link opens it: the metrics that rank the runs as columns (the
+    UI shows none by default), sorted by the parents' best value."""
+    key = METRIC_KEYS.get(metric, metric)
+    columns = [f"metrics.`best_{metric}`", f"metrics.`{key}`", "metrics.`measurements`", "metrics.`disturbed`", "metrics.`stage`",
+               "metrics.`micro_batch_size`", "metrics.`gradient_accumulation_steps`", "metrics.`peak_memory_fraction`", "tags.`status`",
+               "tags.`search`"]
+    return {"selectedColumns": columns, "orderByKey": f"metrics.`best_{metric}`", "orderByAsc": metric == "latency"}
 
 
 def flatten(d: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
@@ -195,20 +211,32 @@ class Tracker:
         if group:
             run_tags[GROUP_TAG] = env_run or group
         if run_id:
-            self.experiment_id = self.client.get_run(run_id).info.experiment_id
-            self.client.update_run(run_id, status="RUNNING", name=session)
+            run = self.client.get_run(run_id)
+            self.experiment_id = run.info.experiment_id
+            keep = run.data.tags.get(SESSION_TAG) == session  # a resumed parent keeps its name
+            self.client.update_run(run_id, status="RUNNING", name=run.info.run_name if keep else self._free_name(session, run_id))
         else:
             self.experiment_id = self.client.get_run(env_run).info.experiment_id if env_run else self._experiment()
             extra = {"mlflow.parentRunId": env_run} if env_run else {}
-            run_id = self.client.create_run(self.experiment_id, run_name=session, tags={ROLE_TAG: "session", **extra}).info.run_id
+            run_id = self.client.create_run(self.experiment_id, run_name=self._free_name(session), tags={ROLE_TAG: "session", **extra}).info.run_id
             run_tags.update(context_tags(script))
         self.parent_id = run_id
         study.set_user_attr(PARENT_KEY, run_id)
+        self.client.set_experiment_tag(self.experiment_id, VIEW_TAG, json.dumps(runs_table_view(tags.get("metric", "throughput"))))
         self._log_batch(run_id, params=params, tags=run_tags)
         for path in artifacts:
             self._upload(run_id, path, "inputs")
         self._children = self._existing_children()
         return run_id
+
+    def _free_name(self, session: str, run_id: Optional[str] = None) -> str:
+        """The session's name for its parent run, with -2, -3 ... when other parents of the experiment
+        already have it (the same settings tuned in another results folder, or again after an archive)."""
+        if "'" in session:
+            return session
+        others = self.client.search_runs([self.experiment_id], filter_string=f"tags.{SESSION_TAG} = '{session}'", max_results=1000)
+        taken = {r.info.run_name for r in others if r.info.run_id != run_id}
+        return next(n for n in (session if i == 1 else f"{session}-{i}" for i in range(1, len(taken) + 2)) if n not in taken)
 
     def _experiment(self) -> str:
         exp = self.client.get_experiment_by_name(self.experiment_name)
@@ -225,16 +253,20 @@ class Tracker:
             return ""
         uri = redact_text(self.tracking_uri)
         page = f"#/experiments/{exp.experiment_id}/runs/{self.parent_id}?workflowType=machine_learning"
-        view = f"{uri.rstrip('/')}/{page}" if uri.startswith(("http://", "https://")) else f"`mlflow ui --backend-store-uri {uri}`, then http://127.0.0.1:5000/{page}"
-        return f"mlautotune: tracked in MLflow experiment {exp.name!r}, parent run {self.parent_id} at {uri}\nmlautotune: in the MLflow UI: {view}"
+        table = f"#/experiments/{exp.experiment_id}/runs?viewStateShareKey={VIEW_KEY}&workflowType=machine_learning"
+        base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
+        start = "" if uri.startswith(("http://", "https://")) else f"`mlflow ui --backend-store-uri {uri}`, then "
+        return (f"mlautotune: tracked in MLflow experiment {exp.name!r}, parent run {self.parent_id} at {uri}\n"
+                f"mlautotune: in the MLflow UI: {start}{base}/{page}\nmlautotune: the runs table with the metrics as columns: {base}/{table}")
 
     def _existing_children(self) -> Dict[int, str]:
         return {n: run.info.run_id for n, run in self._child_runs().items()}
 
     def _child_runs(self) -> Dict[int, Any]:
-        runs = self.client.search_runs(
-            [self.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{self.parent_id}'", max_results=5000
-        )
+        """The session's experiment runs by trial number: the parent's children, and the re-measurements
+        nested under their configuration's run."""
+        runs = [r for key in ("mlflow.parentRunId", SESSION_RUN_TAG) for r in self.client.search_runs(
+            [self.experiment_id], filter_string=f"tags.{key} = '{self.parent_id}'", max_results=5000)]
         return {int(r.data.tags[TRIAL_TAG]): r for r in runs if TRIAL_TAG in r.data.tags}
 
     def drop_children(self, trial_numbers: Iterable[int]) -> None:
@@ -268,7 +300,8 @@ class Tracker:
 
     # ---- children -------------------------------------------------------------------------
     def child_started(self, trial_number: int, name: str, params: Dict[str, Any], tags: Dict[str, str]) -> Optional[str]:
-        """Create the experiment's child run (once per trial); its run id, or None when offline."""
+        """Create the experiment's child run (once per trial); its run id, or None when offline. A
+        re-measurement (tags[REPEAT_TAG]) is nested under its configuration's run."""
         if self.parent_id is None:
             return None
         if trial_number in self._children:
@@ -277,7 +310,10 @@ class Tracker:
         return run
 
     def _create_child(self, trial_number, name, params, tags) -> str:
-        base = {"mlflow.parentRunId": self.parent_id, TRIAL_TAG: str(trial_number), ROLE_TAG: tags.get(ROLE_TAG, "experiment"), "experiment": name}
+        of = tags.get(REPEAT_TAG)
+        parent = self._children.get(int(of), self.parent_id) if of is not None else self.parent_id
+        base = {"mlflow.parentRunId": parent, SESSION_RUN_TAG: self.parent_id, TRIAL_TAG: str(trial_number),
+                ROLE_TAG: tags.get(ROLE_TAG, "experiment"), "experiment": name}
         run_id = self.client.create_run(self.experiment_id, run_name=name, tags=base).info.run_id
         self._children[trial_number] = run_id
         self._log_batch(run_id, params=params, tags=tags, step=max(trial_number, 0))
@@ -291,7 +327,7 @@ class Tracker:
         self._call(f"finishing the run of {name}", self._finish_child, trial_number, name, params, metrics, tags, exp_dir, status)
 
     def _finish_child(self, trial_number, name, params, metrics, tags, exp_dir, status) -> None:
-        run_id = self._children.get(trial_number) or self._create_child(trial_number, name, {}, {ROLE_TAG: tags.get(ROLE_TAG, "experiment")})
+        run_id = self._children.get(trial_number) or self._create_child(trial_number, name, {}, {k: v for k, v in tags.items() if k in (ROLE_TAG, REPEAT_TAG)})
         self._log_batch(run_id, params=params, metrics=metrics, tags=tags, step=max(trial_number, 0))
         if exp_dir and Path(exp_dir).is_dir():
             self._upload(run_id, Path(exp_dir), "experiment")
@@ -315,9 +351,23 @@ class Tracker:
             if t.number in runs and runs[t.number].info.status == status:
                 continue
             params, metrics, tags = child_payload(t.user_attrs.get("params") or {}, result, memory_limit_bytes)
+            if "repeat_of" in t.user_attrs:
+                tags[REPEAT_TAG] = str(t.user_attrs["repeat_of"])
             self.child_finished(t.number, result["name"], params, metrics, tags, result.get("exp_dir"), status)
             filled += 1
         return filled
+
+    def log_configuration(self, trial_number: int, metric: str, values: List[float], value: Optional[float], step: int) -> None:
+        """A configuration's run shows its value: `metric` is the median of its measurements (its
+        history: the value after each measurement), `measurements` how many there are."""
+        run_id = self._children.get(trial_number)
+        if run_id is None or value is None:
+            return
+        tags = {"measurements": " ".join(f"{v:.6g}" for v in values)}
+        self._call("logging a configuration's value", self._log_batch, run_id, metrics={metric: value, "measurements": len(values)}, tags=tags, step=step)
+
+    def run_id_of(self, trial_number: int) -> Optional[str]:
+        return self._children.get(trial_number)
 
     def kill_open_children(self) -> None:
         for run_id in self._children.values():
@@ -449,12 +499,16 @@ class TrackingObserver:
 
     def __init__(self, tracker: Tracker, metric: str, memory_limit_bytes: Optional[int] = None):
         self.tracker, self.metric, self.memory_limit_bytes = tracker, metric, memory_limit_bytes
+        self.metric_key = METRIC_KEYS[metric]  # the child runs' name of the metric
         self._running: Dict[str, int] = {}  # experiment name -> trial number
 
     def experiment_started(self, exp, trial) -> None:
         self._running[exp.name] = trial.number
         params, metrics, _ = child_payload(exp.params, {"status": "running", "name": exp.name}, self.memory_limit_bytes)
-        self.tracker.child_started(trial.number, exp.name, params, {"status": "running", "experiment": exp.name})
+        tags = {"status": "running", "experiment": exp.name}
+        if trial.user_attrs.get("repeat_of") is not None:
+            tags[REPEAT_TAG] = str(trial.user_attrs["repeat_of"])
+        self.tracker.child_started(trial.number, exp.name, params, tags)
         exp.env.update(self.tracker.child_env(trial.number))
 
     def experiment_finished(self, exp, measured, best) -> None:
@@ -463,7 +517,11 @@ class TrackingObserver:
         self.tracker.child_finished(number, exp.name, params, metrics, tags, measured.result.exp_dir, mlflow_status(measured.result.status))
         # best first: the MLflow UI lists a run's metrics in the order they were first logged, and
         # the latest experiment's value at the top of the parent's list reads like the result
-        progress = {f"best_{self.metric}": best.value} if best is not None and best.value is not None else {}
+        progress = {f"best_{self.metric}": best.final_value} if best is not None and best.value is not None else {}
         if measured.value is not None:
             progress[f"experiment_{self.metric}"] = measured.value
         self.tracker.log_parent(progress, step=number)
+
+    def remeasured(self, base, measured) -> None:
+        """A re-measurement ended: its configuration's run shows the new median."""
+        self.tracker.log_configuration(base.trial_number, self.metric_key, base.values, base.final_value, step=measured.trial_number)
