@@ -6,12 +6,14 @@ metric, the plan: stages, micro_batch rule, gas, knobs per stage, fast) and `poi
 {"params": {...}, "status": ..., "metrics": {...}, "wall_time_s": ...}.
 
 Two kinds:
-- GPU-like (`"generator": "gpu_model"`, benchmarks/gpu_model.py): the header carries the model
-  and its noise. Every measurement, re-measurements included, is a fresh noisy draw, seeded by
-  the runner's seed, the configuration and how often it was measured before (common random
-  numbers: the k-th measurement of a configuration draws the same noise whatever was measured
-  before it); the noise-free values are `true_<metric>`. Points outside the stored grid (another
-  micro-batch or gas) come from the same model.
+- GPU-like (`"generator"`: the module that models it, benchmarks/gpu_model.py for the fixed
+  landscapes, benchmarks/generator.py for the seeded family; each has `true_point(model, params)`
+  and `noisy(metrics, rng)`): the header carries the model and its noise. Every measurement,
+  re-measurements included, is a fresh noisy draw, seeded by the runner's seed, the
+  configuration and how often it was measured before (common random numbers: the k-th
+  measurement of a configuration draws the same noise whatever was measured before it); the
+  noise-free values are `true_<metric>`. Points outside the stored grid (another micro-batch or
+  gas; every point, for the generator's landscapes, which store none) come from the model.
 - recorded on CPU (benchmarks/record.py): no noise model. A point recorded once returns its
   value again at every re-measurement, and that value counts as the "true" one. A point recorded
   several times (`record.py --repeats N`) keeps every measurement in `draws`; its `metrics` are
@@ -26,6 +28,7 @@ Two kinds:
   nearest recorded micro-batch's, as a ratio to that point's median.
 """
 
+import importlib
 import json
 import math
 import random
@@ -84,16 +87,22 @@ def signed_metric(landscape: Dict[str, Any]) -> Tuple[str, float]:
     return metric, -1.0 if metric == "latency" else 1.0
 
 
+MODELS = ("gpu_model", "generator")  # the modules in benchmarks/ that model a landscape
+
+
 def noisy(landscape: Dict[str, Any]) -> bool:
-    return landscape.get("generator") == "gpu_model"
+    return landscape.get("generator") in MODELS
+
+
+def model_of(landscape: Dict[str, Any]) -> Any:
+    return importlib.import_module(landscape["generator"])
 
 
 def truth(landscape: Dict[str, Any]) -> Callable[[Dict[str, Any]], Answer]:
     """params -> (status, noise-free metrics, wall time): the landscape's model, else its points."""
     if noisy(landscape):
-        import gpu_model
-
-        return lambda params: gpu_model.true_point(landscape["model"], params)
+        model = model_of(landscape)
+        return lambda params: model.true_point(landscape["model"], params)
     points = {key(p["params"]): p for p in landscape["points"]}
     between = interpolation(landscape)
 
@@ -130,9 +139,7 @@ class LandscapeRunner:
         status, metrics, wall = self.truth(params)
         rng = self.noise(params)
         if noisy(self.landscape) and status == "ok":
-            import gpu_model
-
-            metrics = gpu_model.noisy(metrics, rng)
+            metrics = model_of(self.landscape).noisy(metrics, rng)
         elif status == "ok":
             status, metrics = self.recorded_draw(params, metrics, rng)
         self.wall_time_s += wall

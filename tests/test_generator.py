@@ -1,0 +1,153 @@
+"""The landscape generator (benchmarks/generator.py): seeded and deterministic, traits in range, the
+shapes the issue asks for (an OOM edge in range, one-stage walls, a fixed global batch, peaks below
+the edge, knobs that interact), and its scoring through replay.py's adapter. Pure: no launches."""
+
+import json
+import math
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+import generator  # noqa: E402
+from landscape import LandscapeRunner  # noqa: E402
+
+SEEDS = range(40)
+
+
+@pytest.fixture(scope="module")
+def lands():
+    return [generator.make(s) for s in SEEDS]
+
+
+def fitting_stages(land):
+    return [s for s in range(4) if generator.largest(land["model"], s) > 0]
+
+
+def test_same_seed_same_landscape_and_draws():
+    a, b = generator.make(7), generator.make(7)
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    assert a["traits"] != generator.make(8)["traits"]
+    params = {"stage": 2, "micro_batch": 1, "gas": a["plan"]["gas"]}
+    ra, rb = LandscapeRunner(a, seed=3), LandscapeRunner(b, seed=3)
+    assert [ra.measure(params)[1].get("throughput") for _ in range(3)] == [rb.measure(params)[1].get("throughput") for _ in range(3)]
+
+
+def test_traits_in_range(lands):
+    for land in lands:
+        t = land["traits"]
+        assert 0.1e9 <= t["params"] <= 70e9 and 8 <= t["gpus"] <= 64 and 16 <= t["gpu_memory_gb"] <= 80
+        assert t["link"] in ("nvlink", "pcie") and t["precision"] in ("fp16", "bf16") and t["batch"] in ("free", "fixed")
+        assert 0.01 <= t["noise_rel"] <= 0.08 and 0 < t["systematic_rel"] <= 0.01
+        assert land["world_size"] == t["gpus"] and land["plan"]["base_config"][t["precision"]] == {"enabled": True}
+    for trait in ("link", "precision", "batch"):
+        assert len({land["traits"][trait] for land in lands}) == 2, trait
+    sizes = [land["traits"]["params"] for land in lands]
+    assert min(sizes) < 1e9 and max(sizes) > 10e9
+
+
+def test_every_landscape_has_an_oom_edge_in_its_micro_batch_range(lands):
+    for land in lands:
+        t = land["model"]
+        edges = [generator.edge(t, s) for s in range(4)]
+        assert any(e is not None for e in edges), land["name"]
+        stage, e = next((s, e) for s, e in enumerate(edges) if e is not None)
+        assert generator.true_point(t, generator.config(t, stage, e))[0] == "ok"
+        assert generator.true_point(t, generator.config(t, stage, e + 1))[0] == "oom"
+
+
+def test_some_landscapes_fit_one_stage_only_and_some_all(lands):
+    counts = [len(fitting_stages(land)) for land in lands]
+    assert 1 in counts and 4 in counts
+    only = lands[counts.index(1)]
+    assert fitting_stages(only) == [3]
+    assert generator.true_point(only["model"], {"stage": 2, "micro_batch": 1, "gas": 1})[0] == "oom"
+
+
+def test_fixed_batch_landscapes_accumulate_batch_over_micro_batch_times_gpus(lands):
+    fixed = [land for land in lands if land["traits"]["batch"] == "fixed"]
+    assert fixed
+    for land in fixed:
+        t, batch = land["model"], land["plan"]["max_train_batch_size"]
+        stage = fitting_stages(land)[-1]
+        for mbs in range(1, generator.largest(t, stage) + 1):
+            params = generator.config(t, stage, mbs)
+            assert params["gas"] == batch // (mbs * t["gpus"])
+            status, metrics, _ = generator.true_point(t, params)
+            assert status == "ok" and metrics["train_batch_size"] == mbs * params["gas"] * t["gpus"] <= batch
+    free = next(land for land in lands if land["traits"]["batch"] == "free")
+    assert generator.config(free["model"], 0, 5)["gas"] == free["plan"]["gas"] and free["plan"]["max_train_batch_size"] is None
+
+
+def test_peaks_below_the_memory_edge_exist(lands):
+    """On some landscapes a stage's best micro-batch (noise-free, systematic part left out) is below the largest that fits."""
+    below = 0
+    for land in lands:
+        t = land["model"]
+        for stage in fitting_stages(land):
+            top = generator.largest(t, stage)
+            values = [generator.smooth_point(t, generator.config(t, stage, m))[1]["throughput"] for m in range(1, top + 1)]
+            below += values.index(max(values)) + 1 < top
+    assert below >= 5
+
+
+def test_knob_effects_interact():
+    """The effect of a pair of knobs is not the sum of their effects (log throughput, systematic part left out)."""
+    land = next(generator.make(s) for s in SEEDS if 2 in fitting_stages(generator.make(s)))
+    t = land["model"]
+    base = generator.config(t, 2, 1, {"reduce_bucket_size": 50000000, "overlap_comm": False})
+
+    def log_value(**knobs):
+        status, metrics, _ = generator.smooth_point(t, {**base, **knobs})
+        assert status == "ok"
+        return math.log(metrics["throughput"])
+
+    both = log_value(reduce_bucket_size=1000000000, overlap_comm=True) - log_value()
+    apart = log_value(reduce_bucket_size=1000000000) - log_value() + log_value(overlap_comm=True) - log_value()
+    assert abs(both - apart) > 1e-3
+
+
+def test_noise_is_fresh_at_every_measurement_and_systematic_part_is_fixed():
+    land = generator.make(3)
+    t = land["model"]
+    params = generator.config(t, fitting_stages(land)[-1], 1)
+    runner = LandscapeRunner(land, seed=0)
+    draws = [runner.measure(params)[1]["throughput"] for _ in range(20)]
+    true = generator.true_point(t, params)[1]["throughput"]
+    assert len(set(draws)) == 20 and all(abs(d / true - 1) <= t["noise_rel"] + 1e-9 for d in draws)
+    smooth = generator.smooth_point(t, params)[1]["throughput"]
+    assert true != smooth and abs(true / smooth - 1) < 6 * t["systematic_rel"]
+    assert runner.true_value(params) == true
+
+
+def test_best_is_the_largest_noise_free_value_in_the_plan():
+    land = generator.make(5)
+    b = generator.best(land)
+    t = land["model"]
+    rng = random.Random(0)
+    for _ in range(200):
+        stage = rng.choice(fitting_stages(land))
+        knobs = rng.choice(generator.combos(land, stage))
+        status, metrics, _ = generator.true_point(t, generator.config(t, stage, rng.randint(1, generator.cap(t)), knobs))
+        assert status == "oom" or metrics["throughput"] <= b["value"]
+    assert generator.true_point(t, b["params"])[1]["throughput"] == b["value"]
+
+
+def test_sign_test_and_bootstrap():
+    assert generator.sign_test(10, 0) == pytest.approx(2 / 1024)
+    assert generator.sign_test(5, 5) == 1.0 and generator.sign_test(0, 0) == 1.0
+    lo, hi = generator.bootstrap([0.01] * 10 + [0.03] * 10)
+    assert 0.01 < lo < 0.02 < hi < 0.03
+
+
+def test_scoring_replays_the_product_and_the_deepspeed_model_on_a_generated_landscape():
+    result = generator.evaluate((16, ["random", "deepspeed_baseline"], [1]))
+    assert [r["strategy"] for r in result["records"]] == ["random", "deepspeed_baseline"]
+    for r in result["records"]:
+        assert r["seed"] == 16 and r["landscape"] == "gen_16" and 0 <= r["regret"] <= 1 and r["experiments"] > 0
+    assert "seed 16 [" in generator.line(result)
+    text = generator.summary([result])
+    assert "| random | 1 |" in text and "| deepspeed_baseline | 1 |" in text
