@@ -2,8 +2,8 @@
 
     python benchmarks/generator.py show SEED [SEED ...]      # each landscape's traits and shape
     python benchmarks/generator.py score [--landscapes 200] [--seed0 0] [--only SEED] [--strategies ...]
-                                         [--workers 1,4] [--jobs 1] [--json OUT.json]
-    python benchmarks/generator.py table OUT.json            # the figures table of a record
+                                         [--workers 1,4] [--jobs 1] [--json OUT.json] [--trace]
+    python benchmarks/generator.py table OUT.json [...]      # the figures table of records (merged by seed)
 
 `make(seed)` draws a landscape's traits at random (seeded: the same seed, the same landscape) and
 returns it in the landscape format of landscape.py, with no stored points: every configuration is
@@ -387,11 +387,12 @@ def shape(land: Dict[str, Any], b: Dict[str, Any]) -> str:
 
 
 # ---- scoring --------------------------------------------------------------------------------
-def evaluate(job: Tuple[int, List[str], List[int]]) -> Dict[str, Any]:
-    """One landscape: every strategy x worker count replayed with the landscape's seed, scored by replay.py."""
+def evaluate(job: Tuple[int, List[str], List[int], bool]) -> Dict[str, Any]:
+    """One landscape: every strategy x worker count replayed with the landscape's seed, scored by
+    replay.py; with `trace`, every replayed experiment as replay.py --trace prints it."""
     import replay
 
-    seed, strategies, counts = job
+    seed, strategies, counts, trace = job
     land = make(seed)
     b = best(land)
     runs = []
@@ -401,7 +402,7 @@ def evaluate(job: Tuple[int, List[str], List[int]]) -> Dict[str, Any]:
             runs.append({"landscape": land["name"], "strategy": strategy, "seed": seed, "workers": workers, "log": runner.log,
                          "found": runner.true_value(found)})
     return {"seed": seed, "name": land["name"], "traits": land["traits"], "best": b["value"], "best_params": b["params"],
-            "records": replay.score(runs, b["value"])}
+            "records": replay.score(runs, b["value"]), **({"trace": [replay.trace(r, b["value"]) for r in runs]} if trace else {})}
 
 
 def line(result: Dict[str, Any]) -> str:
@@ -489,11 +490,13 @@ def score(args: argparse.Namespace) -> None:
     strategies = args.strategies.split(",")
     counts = [int(n) for n in args.workers.split(",")]
     seeds = [args.only] if args.only is not None else list(range(args.seed0, args.seed0 + args.landscapes))
-    jobs = [(s, strategies, counts) for s in seeds]
+    jobs = [(s, strategies, counts, args.trace) for s in seeds]
     results = []
     with multiprocessing.Pool(args.jobs) if args.jobs > 1 else _Serial() as pool:
         for result in pool.imap(evaluate, jobs):
             results.append(result)
+            for text in result.pop("trace", []):
+                print(text)
             print(line(result), flush=True)
     print(summary(results), flush=True)
     if args.json:
@@ -524,8 +527,9 @@ def main() -> None:
     sc.add_argument("--workers", default="1,4", help="comma-separated worker counts (simulated time; the DeepSpeed model runs with 1)")
     sc.add_argument("--jobs", type=int, default=1, help="landscapes scored in parallel (processes)")
     sc.add_argument("--json", metavar="OUT", help="write the per-landscape results and records")
-    tb = sub.add_parser("table", help="the figures table of a record written by score --json")
-    tb.add_argument("record")
+    sc.add_argument("--trace", action="store_true", help="print every replayed experiment: params, the value the search saw, the true value")
+    tb = sub.add_parser("table", help="the figures table of records written by score --json (several are merged, by seed)")
+    tb.add_argument("records", nargs="+")
     args = ap.parse_args()
     if args.command == "show":
         for seed in args.seeds:
@@ -534,7 +538,8 @@ def main() -> None:
     elif args.command == "score":
         score(args)
     else:
-        print(summary(json.loads(Path(args.record).read_text())["results"]))
+        results = {r["seed"]: r for path in args.records for r in json.loads(Path(path).read_text())["results"]}
+        print(summary([results[s] for s in sorted(results)]))
 
 
 if __name__ == "__main__":

@@ -144,10 +144,11 @@ def test_sign_test_and_bootstrap():
 
 
 def test_scoring_replays_the_product_and_the_deepspeed_model_on_a_generated_landscape():
-    result = generator.evaluate((16, ["random", "deepspeed_baseline"], [1]))
+    result = generator.evaluate((16, ["random", "deepspeed_baseline"], [1], True))
     assert [r["strategy"] for r in result["records"]] == ["random", "deepspeed_baseline"]
     for r in result["records"]:
         assert r["seed"] == 16 and r["landscape"] == "gen_16" and 0 <= r["regret"] <= 1 and r["experiments"] > 0
+    assert result["trace"][0].startswith("# gen_16 random seed 16 workers 1") and result["trace"][1].startswith("# gen_16 deepspeed_baseline")
     assert "seed 16 [" in generator.line(result)
     text = generator.summary([result])
     assert "| random | 1 |" in text and "| deepspeed_baseline | 1 |" in text
