@@ -436,54 +436,132 @@ def bootstrap(diffs: List[float], resamples: int = 2000, seed: int = 0) -> Tuple
 
 
 def summary(results: List[Dict[str, Any]]) -> str:
-    import tables
-
-    inf = math.inf
+    """The figures of scored landscapes: a table per strategy and worker count, the 4/1 workers' ratio,
+    model_based against random and grid, the issue's targets, and the worst landscapes' seeds."""
     records = [r for res in results for r in res["records"]]
     keys = list(dict.fromkeys((r["strategy"], r["workers"]) for r in records))
     by = {k: {r["seed"]: r for r in records if (r["strategy"], r["workers"]) == k} for k in keys}
+    seeds = sorted(res["seed"] for res in results)
+    return "\n".join([f"\n### {len(results)} generated landscapes (seeds {seeds[0]}..{seeds[-1]})\n", *table(by), "", *workers(by),
+                      *margins(by), *targets(by), *worst(by)])
+
+
+def cell_ratio(ratio: Optional[float]) -> str:
+    return "n/a" if ratio is None else ("never" if ratio == math.inf else f"{ratio:.2f}")
+
+
+def ds_ratio(rs: List[Dict[str, Any]], ds: Dict[int, Dict[str, Any]]) -> Optional[float]:
+    """Median over landscapes of experiments to 99% over the DeepSpeed model's (tables.ratio: a miss is infinity, the model's miss alone 0)."""
+    import tables
+
+    ratios = [tables.ratio(tables.median([r["to99"]]), tables.median([ds[r["seed"]]["to99"]])) for r in rs if r["seed"] in ds]
+    return statistics.median(ratios) if ratios else None
+
+
+def table(by: Dict[Tuple[str, int], Dict[int, Dict[str, Any]]]) -> List[str]:
+    import tables
+
     ds = by.get(("deepspeed_baseline", 1), {})
-    out = [f"\n### {len(results)} generated landscapes (seeds {results[0]['seed']}..{results[-1]['seed']})\n",
-           "| strategy | workers | reached 99% | declared within 1% | regret median / p95 / worst | experiments to 99% (median) "
+    out = ["| strategy | workers | reached 99% | declared within 1% | regret median / p95 / worst | experiments to 99% (median) "
            "| to 99% / DeepSpeed model's (median) | experiments (median) | wall hours to 99% (median) |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for k in keys:
-        rs = list(by[k].values())
+    for (strategy, n), runs in by.items():
+        rs = list(runs.values())
         regrets = [r["regret"] for r in rs]
-        ratios = [tables.ratio(tables.median([r["to99"]]), tables.median([ds[r["seed"]]["to99"]])) for r in rs if r["seed"] in ds]
-        ratio = statistics.median(ratios) if ratios and k[0] != "deepspeed_baseline" else None
-        out.append(f"| {k[0]} | {k[1]} | {sum(r['to99'] is not None for r in rs) / len(rs):.0%} | {sum(x <= 0.01 for x in regrets) / len(rs):.0%} | "
+        ratio = None if strategy == "deepspeed_baseline" else ds_ratio(rs, ds)
+        out.append(f"| {strategy} | {n} | {sum(r['to99'] is not None for r in rs) / len(rs):.0%} | {sum(x <= 0.01 for x in regrets) / len(rs):.0%} | "
                    f"{statistics.median(regrets):.1%} / {quantile(regrets, 0.95):.1%} / {max(regrets):.1%} | {tables.steps([r['to99'] for r in rs])} | "
-                   f"{'n/a' if ratio is None else ('never' if ratio == inf else f'{ratio:.2f}')} | {statistics.median(r['experiments'] for r in rs):g} | "
+                   f"{cell_ratio(ratio)} | {statistics.median(r['experiments'] for r in rs):g} | "
                    f"{tables.hours(tables.median([r['wall_hours_to99'] for r in rs]))} |")
-    counts = sorted({w for _, w in keys})
-    out.append("")
-    if len(counts) > 1:
-        for strategy in dict.fromkeys(s for s, _ in keys):
-            one, many = by.get((strategy, counts[0])), by.get((strategy, counts[-1]))
-            if one and many:
-                rs = [tables.ratio(tables.median([many[s]["wall_hours_to99"]]), tables.median([one[s]["wall_hours_to99"]])) for s in one if s in many]
-                med = statistics.median(rs)
-                out.append(f"- {strategy}: wall hours to 99% with {counts[-1]} workers / with {counts[0]}, median over {len(rs)} landscapes: "
-                           f"{tables.hours(med)} (never with {counts[-1]} counts as infinity, never with {counts[0]} alone as 0)")
-    mb = by.get(("model_based", 1))
+    return out
+
+
+def workers_ratio(by, strategy: str) -> Optional[Tuple[float, int, int, int]]:
+    """(median over landscapes of wall hours to 99% with the most workers over 1 worker's, landscapes, counts)."""
+    import tables
+
+    counts = sorted(n for s, n in by if s == strategy)
+    if len(counts) < 2:
+        return None
+    one, many = by[(strategy, counts[0])], by[(strategy, counts[-1])]
+    rs = [tables.ratio(tables.median([many[s]["wall_hours_to99"]]), tables.median([one[s]["wall_hours_to99"]])) for s in one if s in many]
+    return statistics.median(rs), len(rs), counts[0], counts[-1]
+
+
+def workers(by) -> List[str]:
+    out = []
+    for strategy in dict.fromkeys(s for s, _ in by):
+        w = workers_ratio(by, strategy)
+        if w:
+            out.append(f"- {strategy}: wall hours to 99% with {w[3]} workers / with {w[2]}, median over {w[1]} landscapes: {cell_ratio(w[0])} "
+                       f"(never with {w[3]} counts as infinity, never with {w[2]} alone as 0)")
+    return out
+
+
+def paired(by, other: str) -> Optional[Dict[str, Any]]:
+    """model_based against `other` with 1 worker, landscape by landscape: wins and losses on experiments
+    to 99% (never = infinity) and on regret, sign tests, and the bootstrap interval of the regret difference."""
+    import tables
+
+    mb, ot = by.get(("model_based", 1)), by.get((other, 1))
+    if not mb or not ot:
+        return None
+    seeds = [s for s in mb if s in ot]
+    to99 = [(tables.median([mb[s]["to99"]]), tables.median([ot[s]["to99"]])) for s in seeds]
+    regret = [(mb[s]["regret"], ot[s]["regret"]) for s in seeds]
+    out = {"n": len(seeds), "diff": statistics.fmean(y - x for x, y in regret), "interval": bootstrap([y - x for x, y in regret])}
+    for name, pairs in (("to99", to99), ("regret", regret)):
+        wins, losses = sum(x < y for x, y in pairs), sum(x > y for x, y in pairs)
+        out[name] = (wins, losses, sign_test(wins, losses))
+    return out
+
+
+def margins(by) -> List[str]:
+    out = []
     for other in ("random", "gridsearch"):
-        ot = by.get((other, 1))
-        if not mb or not ot:
-            continue
-        seeds = [s for s in mb if s in ot]
-        a = [(tables.median([mb[s]["to99"]]), tables.median([ot[s]["to99"]])) for s in seeds]
-        g = [(mb[s]["regret"], ot[s]["regret"]) for s in seeds]
-        lo, hi = bootstrap([y - x for x, y in g])
-        out.append(f"- model_based vs {other}, 1 worker, {len(seeds)} landscapes: fewer experiments to 99% on "
-                   f"{sum(x < y for x, y in a)}, more on {sum(x > y for x, y in a)} (sign test p = {sign_test(sum(x < y for x, y in a), sum(x > y for x, y in a)):.2g}); "
-                   f"lower regret on {sum(x < y for x, y in g)}, higher on {sum(x > y for x, y in g)} (p = {sign_test(sum(x < y for x, y in g), sum(x > y for x, y in g)):.2g}), "
-                   f"mean regret difference ({other} - model_based) {statistics.fmean(y - x for x, y in g):+.2%}, 95% bootstrap interval [{lo:+.2%}, {hi:+.2%}]")
-    worst = sorted((r["regret"], r["seed"]) for r in (mb or {}).values())[-5:][::-1]
-    if worst:
-        out.append("- model_based's worst landscapes (regret, seed): " + ", ".join(f"{x:.1%} (seed {s})" for x, s in worst)
-                   + "; replay one alone with `python benchmarks/generator.py score --only SEED`")
-    return "\n".join(out)
+        m = paired(by, other)
+        if m:
+            out.append(f"- model_based vs {other}, 1 worker, {m['n']} landscapes: fewer experiments to 99% on {m['to99'][0]}, more on {m['to99'][1]} "
+                       f"(sign test p = {m['to99'][2]:.2g}); lower regret on {m['regret'][0]}, higher on {m['regret'][1]} (p = {m['regret'][2]:.2g}); "
+                       f"mean regret difference ({other} - model_based) {m['diff']:+.2%}, 95% bootstrap interval [{m['interval'][0]:+.2%}, {m['interval'][1]:+.2%}]")
+    return out
+
+
+def targets(by) -> List[str]:
+    """The issue's done-when targets for model_based, each met or not."""
+    import tables
+
+    mb = list(by.get(("model_based", 1), {}).values())
+    if not mb:
+        return []
+    regrets = [r["regret"] for r in mb]
+    ds = by.get(("deepspeed_baseline", 1), {})
+    ratio = ds_ratio(mb, ds)
+    w = workers_ratio(by, "model_based")
+    beats = [paired(by, o) for o in ("random", "gridsearch")]
+
+    def row(text: str, met: Optional[bool]) -> str:
+        return f"- {text}: {'n/a' if met is None else ('met' if met else 'NOT met')}"
+
+    reached = sum(r["to99"] is not None for r in mb) / len(mb)
+    return ["", "Targets (model_based, 1 worker unless said):",
+            row(f"reaches 99% on >= 95% of landscapes ({reached:.0%})", reached >= 0.95),
+            row(f"p95 regret <= 2% ({quantile(regrets, 0.95):.1%}), worst <= 5% ({max(regrets):.1%})", quantile(regrets, 0.95) <= 0.02 and max(regrets) <= 0.05),
+            row(f"experiments to 99% <= 0.5x the DeepSpeed model's (median of ratios {cell_ratio(ratio)}; ratio of medians "
+                f"{cell_ratio(tables.ratio(tables.median([r['to99'] for r in mb]), tables.median([r['to99'] for r in ds.values()])) if ds else None)})",
+                None if ratio is None else ratio <= 0.5),
+            row(f"4 workers' wall hours to 99% <= 0.35x 1 worker's ({cell_ratio(w[0]) if w else 'n/a'})", None if not w else w[0] <= 0.35),
+            row("beats random and grid on experiments to 99% and on regret, sign test p < 0.05 each",
+                None if None in beats else all(b[k][0] > b[k][1] and b[k][2] < 0.05 for b in beats for k in ("to99", "regret")))]
+
+
+def worst(by) -> List[str]:
+    mb = by.get(("model_based", 1), {})
+    top = sorted(((r["regret"], r["seed"]) for r in mb.values()), reverse=True)[:5]
+    if not top:
+        return []
+    return ["- model_based's worst landscapes (regret, seed): " + ", ".join(f"{x:.1%} (seed {s})" for x, s in top)
+            + "; replay one alone with `python benchmarks/generator.py score --only SEED --trace`"]
 
 
 def score(args: argparse.Namespace) -> None:

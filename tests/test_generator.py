@@ -152,3 +152,28 @@ def test_scoring_replays_the_product_and_the_deepspeed_model_on_a_generated_land
     assert "seed 16 [" in generator.line(result)
     text = generator.summary([result])
     assert "| random | 1 |" in text and "| deepspeed_baseline | 1 |" in text
+
+
+def test_summary_scores_strategies_against_each_other_and_the_targets():
+    """Synthetic records: model_based reaches 99% in 5 experiments on every landscape (4 workers: in
+    a quarter of the wall hours), random and grid in 10 or never, the DeepSpeed model in 20."""
+    def record(seed, strategy, workers, to99, regret, wall99):
+        return {"landscape": f"gen_{seed}", "strategy": strategy, "seed": seed, "workers": workers, "to95": to99, "to99": to99,
+                "regret": regret, "experiments": 30, "wall_hours": 5.0, "wall_hours_to99": wall99, "failures": 0, "after99": None}
+
+    results = []
+    for seed in range(10):
+        records = [record(seed, "model_based", 1, 5, 0.0, 1.0), record(seed, "model_based", 4, 8, 0.0, 0.25),
+                   record(seed, "random", 1, 10 if seed % 2 else None, 0.03, 2.0), record(seed, "gridsearch", 1, None, 0.04, None),
+                   record(seed, "deepspeed_baseline", 1, 20, 0.05, 4.0)]
+        results.append({"seed": seed, "records": records})
+    text = generator.summary(results)
+    assert "| model_based | 1 | 100% | 100% | 0.0% / 0.0% / 0.0% | 5 | 0.25 | 30 | 1.00 |" in text
+    assert "| gridsearch | 1 | 0% | 0% | 4.0% / 4.0% / 4.0% | never (10/10 never) | never | 30 | never |" in text
+    assert "model_based: wall hours to 99% with 4 workers / with 1, median over 10 landscapes: 0.25" in text
+    assert "fewer experiments to 99% on 10, more on 0 (sign test p = 0.002)" in text
+    assert "- reaches 99% on >= 95% of landscapes (100%): met" in text
+    assert "(median of ratios 0.25; ratio of medians 0.25): met" in text and "(0.25): met" in text
+    assert "beats random and grid on experiments to 99% and on regret, sign test p < 0.05 each: met" in text
+    results[0]["records"][0]["regret"] = 0.06
+    assert "worst <= 5% (6.0%): NOT met" in generator.summary(results) and "6.0% (seed 0)" in generator.summary(results)
