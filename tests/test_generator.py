@@ -2,6 +2,7 @@
 shapes the issue asks for (an OOM edge in range, one-stage walls, a fixed global batch, peaks below
 the edge, knobs that interact), and its scoring through replay.py's adapter. Pure: no launches."""
 
+import ast
 import json
 import math
 import random
@@ -25,6 +26,16 @@ def lands():
 
 def fitting_stages(land):
     return [s for s in range(4) if generator.largest(land["model"], s) > 0]
+
+
+def test_the_model_shares_no_code_with_the_product_or_the_fixed_landscapes_model():
+    """Only the scoring reaches the product, through replay.py's adapter (imported inside the function that scores)."""
+    tree = ast.parse((BENCH / "generator.py").read_text())
+    modules = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    modules += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert not [m for m in modules if m.startswith("mlautotune") or m in ("gpu_model", "ds_baseline", "landscape")]
+    top = [a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names] + [n.module for n in tree.body if isinstance(n, ast.ImportFrom)]
+    assert "replay" not in top and "tables" not in top
 
 
 def test_same_seed_same_landscape_and_draws():
