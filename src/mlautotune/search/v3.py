@@ -145,11 +145,10 @@ class SearchV3:
         ok_s, oom_s = self.seconds(runs, params)
         g = gain(diff, sd, fits_interval, model.noise_var)
         values = per_second(g, p_fit, ok_s, oom_s)
-        others = [p for i, p in enumerate(params) if i != inc]
         rng = np.random.RandomState((self.s.seed * 7919 + len(runs)) % 2**32)
-        p = p_beaten(model, params[inc], others, np.delete(p_fit, inc), MARGIN, rng)
+        p = p_beaten(model, params[inc], untried, p_fit[:n], [q for i, q in enumerate(params[n:], n) if i != inc], MARGIN, rng)
         if p < self.s.stop_probability or not np.isfinite(values).any() or values.max() <= 0:
-            self.note(f"stopped: the probability that another configuration beats the best by more than {MARGIN:.0%} "
+            self.note(f"stopped: the probability that one more measurement shows a configuration better than the best by more than {MARGIN:.0%} "
                       f"is {p:.1%}, under search.stop_probability={self.s.stop_probability:g}")
             return None
         i = int(np.argmax(values))
