@@ -11,7 +11,7 @@ Always at most the micro-batch cap, and only where the memory model gives the co
 chance to fit (P(fits) of at least MIN_P_FIT).
 """
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 from mlautotune.inputs.space import TuningPlan
 from mlautotune.search.candidates import stage_knob_combos, with_knobs
@@ -43,18 +43,18 @@ def sizes(plan: TuningPlan) -> List[int]:
     return ladder(low, cap)
 
 
-def candidates(plan: TuningPlan, stages: List[int], fit: FitModel) -> List[Dict[str, Any]]:
+def candidates(plan: TuningPlan, stages: List[int], fit: FitModel) -> List[Tuple[Dict[str, Any], float]]:
+    """Every configuration of the space, with its P(fits)."""
     allowed = sizes(plan)
     free = plan.micro_batch.mode == "min" and not plan.max_train_batch_size
     out = []
     for stage in stages:
         for knobs in stage_knob_combos(plan, stage):
-            here = list(allowed)
-            edge = fit.edge(with_knobs(plan, stage, allowed[0], knobs)) if free else None
+            first = with_knobs(plan, stage, allowed[0], knobs)
+            here = set(allowed)
+            edge = fit.edge(first) if free else None
             if edge is not None and allowed[0] <= int(edge) <= plan.micro_batch_cap:
-                here.append(int(edge))
-            for mbs in sorted(set(here)):
-                p = with_knobs(plan, stage, mbs, knobs)
-                if fit.p_fit(p) >= MIN_P_FIT:
-                    out.append(p)
+                here.add(int(edge))
+            here = sorted(here)
+            out += [(with_knobs(plan, stage, mbs, knobs), p) for mbs, p in zip(here, fit.p_fits(first, here)) if p >= MIN_P_FIT]
     return out

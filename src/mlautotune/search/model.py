@@ -32,11 +32,16 @@ NOISE_FLOOR = 1e-4  # variance of one measurement in log units: at least 1% (sd)
 Z95 = 1.96
 
 
+_CONTROLLER = []
+
+
 def one_thread():
     """BLAS on one thread: these matrices are small, and threads fighting over shared cores cost 30x."""
-    from threadpoolctl import threadpool_limits
+    if not _CONTROLLER:
+        from threadpoolctl import ThreadpoolController
 
-    return threadpool_limits(1)
+        _CONTROLLER.append(ThreadpoolController())  # finding the libraries is the slow part: once
+    return _CONTROLLER[0].limit(limits=1)
 
 
 def _value_range(values: Sequence[Any]) -> Tuple[float, float]:
@@ -205,7 +210,7 @@ class FitModel:
                 self.ooms.append((m.params["stage"], self._buffers(m.params), mbs))
         self.largest_ok = max([0, *self.ok_at.values()])
         self._edges: Dict[tuple, Optional[float]] = {}
-        self._p: Dict[tuple, float] = {}
+        self._curves: Dict[tuple, tuple] = {}
 
     def _buffers(self, params: Dict[str, Any]) -> float:
         return buffer_bytes(params["stage"], knobs_of_params(params), self.element_bytes)
@@ -238,28 +243,35 @@ class FitModel:
         return float(edge)
 
     def p_fit(self, params: Dict[str, Any]) -> float:
-        key = (_group(params), params["micro_batch"])
-        if key not in self._p:
-            self._p[key] = self._p_fit(params)
-        return self._p[key]
+        return self.p_fits(params, [params["micro_batch"]])[0]
 
-    def _p_fit(self, params: Dict[str, Any]) -> float:
-        key, mbs = _group(params), params["micro_batch"]
-        if mbs <= self.ok_at.get(key, 0):
-            return 1.0
-        if mbs >= self.oom_at.get(key, math.inf):
-            return 0.0
+    def p_fits(self, params: Dict[str, Any], sizes: Sequence[int]) -> List[float]:
+        """P(fits) of these params' stage and knobs at each micro-batch size."""
+        key = _group(params)
+        if key not in self._curves:
+            self._curves[key] = self._curve(params, key)
+        fits_up_to, fails_from, edge, scale = self._curves[key]
+        out = []
+        for mbs in sizes:
+            if mbs <= fits_up_to:
+                out.append(1.0)
+            elif mbs >= fails_from:
+                out.append(0.0)
+            elif edge is None:
+                out.append(0.9 if self.oom_at else 1.0)
+            elif edge < 1:
+                out.append(0.0 if self.slope_measured and edge <= 0 else 0.05)
+            else:
+                z = (math.log2(mbs) - math.log2(edge + 0.5)) / scale
+                out.append(1.0 / (1.0 + math.exp(min(max(z, -50.0), 50.0))))
+        return out
+
+    def _curve(self, params: Dict[str, Any], key: tuple) -> Tuple[int, float, Optional[float], float]:
+        """(largest size known to fit, smallest known not to, the predicted edge, the logistic's scale)."""
         buffers = self._buffers(params)
-        if any(stage == params["stage"] and mbs >= at and buffers >= b for stage, b, at in self.ooms):
-            return 0.0  # an OOM with no more buffers at no larger a micro-batch
-        edge = self.edge(params)
-        if edge is None:
-            return 0.9 if self.oom_at else 1.0
-        if edge < 1:
-            return 0.0 if self.slope_measured and edge <= 0 else 0.05
-        scale = KNOWN_SLOPE_SCALE if self.slope_measured else PRIOR_SLOPE_SCALE
-        z = (math.log2(mbs) - math.log2(edge + 0.5)) / scale
-        return float(1.0 / (1.0 + math.exp(min(max(z, -50.0), 50.0))))
+        fails = [at for stage, b, at in self.ooms if stage == params["stage"] and buffers >= b]  # an OOM with no more buffers
+        fails_from = min([self.oom_at.get(key, math.inf), *fails])
+        return self.ok_at.get(key, 0), fails_from, self.edge(params), KNOWN_SLOPE_SCALE if self.slope_measured else PRIOR_SLOPE_SCALE
 
 
 def _group(params: Dict[str, Any]) -> tuple:

@@ -121,12 +121,13 @@ class SearchV3:
             return step
         stages = [s for s in self.plan.stages if self.profiling.feasible(s)]
         fit = FitModel(self.plan, self.memory, runs)
-        untried = [p for p in constrained.candidates(self.plan, stages, fit) if params_key(p) not in taken]
+        space = [(p, q) for p, q in constrained.candidates(self.plan, stages, fit) if params_key(p) not in taken]
+        untried, p_fit = [p for p, _ in space], [q for _, q in space]
         if self.kind != "model_based":
-            return self.sampler_step(untried, runs, taken, fit, ledger)
-        return self.acquisition_step(untried, runs, fit)
+            return self.sampler_step(untried, p_fit, runs, taken, ledger)
+        return self.acquisition_step(untried, p_fit, runs)
 
-    def acquisition_step(self, untried: List[Dict[str, Any]], runs: List[Measured], fit: FitModel) -> Optional[Step]:
+    def acquisition_step(self, untried: List[Dict[str, Any]], p_untried: List[float], runs: List[Measured]) -> Optional[Step]:
         model = self.model(runs).with_fantasies(self.pending_params)
         measured = [m for m in runs if m.value is not None]
         params = untried + [m.params for m in measured]
@@ -141,7 +142,7 @@ class SearchV3:
             diff[inc], fits_interval[inc] = mu[up] - mu[inc], overlap(mu[up], sd[up], mu[inc], sd[inc])
         else:
             fits_interval[inc] = False  # nothing to fall back on: measuring the only one again changes no choice
-        p_fit = np.array([fit.p_fit(p) for p in untried] + [1.0] * len(measured))
+        p_fit = np.array(list(p_untried) + [1.0] * len(measured))
         ok_s, oom_s = self.seconds(runs, params)
         g = gain(diff, sd, fits_interval, model.noise_var)
         values = per_second(g, p_fit, ok_s, oom_s)
@@ -170,9 +171,9 @@ class SearchV3:
         oom = med(oom_all, every)
         return [max(by_stage[p["stage"]], 1e-3) for p in params], [max(oom, 1e-3)] * len(params)
 
-    def sampler_step(self, untried, runs, taken, fit, ledger) -> Optional[Step]:
+    def sampler_step(self, untried, p_fit, runs, taken, ledger) -> Optional[Step]:
         """gridsearch, random or another Optuna sampler, over the configurations predicted to fit."""
-        untried = [p for p in untried if fit.p_fit(p) >= 0.5]
+        untried = [p for p, q in zip(untried, p_fit) if q >= 0.5]
         if not untried:
             return None
         by_key = {params_key(p): p for p in untried}
