@@ -211,6 +211,8 @@ class FitModel:
         self.largest_ok = max([0, *self.ok_at.values()])
         self._edges: Dict[tuple, Optional[float]] = {}
         self._curves: Dict[tuple, tuple] = {}
+        self._bounds: Dict[int, Tuple[float, float]] = {}
+        self.outcomes = [(m.params, m.result.status) for m in runs if m.result.status in ("ok", "oom")]
 
     def _buffers(self, params: Dict[str, Any]) -> float:
         return buffer_bytes(params["stage"], knobs_of_params(params), self.element_bytes)
@@ -231,16 +233,41 @@ class FitModel:
         return self._edges[key]
 
     def _edge(self, params: Dict[str, Any]) -> Optional[float]:
+        """The stage's default-knob edge (the memory model's, kept between the sizes that ran and those
+        that ran out of memory in this stage, with any knobs) less this knob set's extra memory in samples."""
         mem = self.memory
-        if mem is None or mem.limit is None or mem.fixed is None:
+        if mem is None or mem.limit is None or mem.fixed is None or not mem.per_sample:
             return None
-        key = _group(params)
-        default = knobs_of_params(params) == base_knobs(self.plan, params["stage"])
-        shift = 0.0 if default else self._shift(params) + float(np.mean(self.residual.get(key, [0.0])))
-        edge = mem.max_micro_batch(params["stage"], headroom=shift / mem.limit)  # a negative headroom: smaller buffers
+        stage = params["stage"]
+        edge = float(mem.max_micro_batch(stage))
+        lo, hi = self.stage_bounds(stage)
+        edge = min(max(edge, lo), hi - 1)
+        edge -= self._offset(params)
         if not self.slope_measured:
             edge = min(edge, 4 * max(self.largest_ok, 1))
         return float(edge)
+
+    def _offset(self, params: Dict[str, Any]) -> float:
+        """This knob set's memory above the stage's default knobs, in samples (buffers, then the peaks measured with it)."""
+        if knobs_of_params(params) == base_knobs(self.plan, params["stage"]):
+            return 0.0
+        extra = self._shift(params) + float(np.mean(self.residual.get(_group(params), [0.0])))
+        return extra / self.memory.per_sample
+
+    def stage_bounds(self, stage: int) -> Tuple[float, float]:
+        """(largest, smallest) default-knob-equivalent micro-batch seen to fit / to run out of memory in the
+        stage, or in a stage that keeps at least as much per rank (an OOM) / no more (a fit)."""
+        if stage not in self._bounds:
+            lo, hi = 0.0, math.inf
+            states = self.memory.model_states
+            for params, status in self.outcomes:
+                u = params["micro_batch"] + self._offset(params)
+                if status == "ok" and states(stage) <= states(params["stage"]):  # fits where it keeps no more per rank
+                    lo = max(lo, u)
+                elif status == "oom" and states(stage) >= states(params["stage"]):  # and runs out where it keeps no less
+                    hi = min(hi, u)
+            self._bounds[stage] = (lo, max(hi, lo + 1))
+        return self._bounds[stage]
 
     def p_fit(self, params: Dict[str, Any]) -> float:
         return self.p_fits(params, [params["micro_batch"]])[0]
