@@ -178,7 +178,7 @@ class SearchV3:
             return None
         by_key = {params_key(p): p for p in untried}
         if self.kind == "gridsearch":
-            choice = by_key[grid_pick(list(by_key), sorted(taken), self.s.seed)]
+            choice = by_key[grid_pick(list(by_key), self.s.seed)]
         elif self.kind == "random":
             choice = by_key[random_pick(list(by_key), self.s.seed, ledger.spent)]
         else:

@@ -1,8 +1,8 @@
 """gridsearch and random: Optuna's own GridSampler and RandomSampler over the constrained space.
 
 Each configuration of the space (search/constrained.py) is one choice of a categorical
-`candidate` (its params as a key), chosen in a scratch in-memory study: grid, the first untried
-configuration in GridSampler's seeded order of the space; random, RandomSampler's pick among the
+`candidate` (its params as a key), chosen in a scratch in-memory study: grid, the first point
+of GridSampler's seeded order over the untried configurations; random, RandomSampler's pick among the
 untried ones, seeded by the seed and the experiment count. Both are functions of the ledger and
 the seed: a resumed session or a second worker makes the same choice from the same state.
 """
@@ -13,17 +13,11 @@ import optuna
 from optuna.distributions import CategoricalDistribution
 
 
-def grid_pick(untried: List[str], taken: List[str], seed: int) -> str:
-    """The first untried configuration in GridSampler's order (its seeded shuffle of the grid)."""
-    grid = sorted(set(untried) | set(taken))
-    dist = {"candidate": CategoricalDistribution(grid)}
+def grid_pick(untried: List[str], seed: int) -> str:
+    """The first point of GridSampler's seeded order over the untried part of the space."""
+    grid = sorted(untried)
     study = optuna.create_study(sampler=optuna.samplers.GridSampler({"candidate": grid}, seed=seed))
-    wanted = set(untried)
-    while True:
-        trial = study.ask(dist)
-        if trial.params["candidate"] in wanted:
-            return trial.params["candidate"]
-        study.tell(trial, 0.0)
+    return study.ask({"candidate": CategoricalDistribution(grid)}).params["candidate"]
 
 
 def random_pick(untried: List[str], seed: int, n: int) -> str:
