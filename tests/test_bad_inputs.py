@@ -90,6 +90,8 @@ CASES = [
     ("search.remeasure=-1", {"autotuning": OK_AT}, ["search.remeasure=-1"], "must be 0 or more"),
     ("search.explore=2", {"autotuning": OK_AT}, ["search.explore=2"], "search.explore=2 is outside -1..1"),
     ("search.heartbeat_seconds=0", {"autotuning": OK_AT}, ["search.heartbeat_seconds=0"], "heartbeat_seconds=0 must be at least 1"),
+    ("search.strategy=fast", {"autotuning": OK_AT}, ["search.strategy=fast"], "search.strategy='fast' is not a search strategy"),
+    ("search.stop_probability=0", {"autotuning": OK_AT}, ["search.stop_probability=0"], "search.stop_probability=0 is outside 0..1"),
     ("worker with an empty search.storage", {"autotuning": OK_AT}, ["@FIRST@worker", "search.storage="], "search.storage= is given but empty"),
     ("worker with mode=run", {"autotuning": OK_AT}, ["@FIRST@worker", "mode=run"], "a worker only tunes"),
     ("report of a session that does not exist", {"autotuning": OK_AT}, ["@FIRST@report", "search.session=nope"], "holds no session named 'nope'"),

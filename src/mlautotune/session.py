@@ -80,6 +80,8 @@ class Session:
             num_tuning_micro_batch_sizes=self.at.num_tuning_micro_batch_sizes,
             remeasure=self.cfg.search.remeasure,
             explore=self.cfg.search.explore,
+            strategy=self.cfg.search.strategy,
+            stop_probability=self.cfg.search.stop_probability,
             memory_limit_bytes=self.memory_limit_bytes,
             world_size=self.world_size,
             device=self.device,

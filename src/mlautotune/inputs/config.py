@@ -114,6 +114,8 @@ class SearchConf:
     sampler: Dict[str, Any] = field(default_factory=dict)  # any Optuna sampler by Hydra _target_ (empty: tuner_type's); overrides tuner_type
     remeasure: int = 1  # extra measurements of near-tied leaders before the optimum is declared
     explore: float = 0.5  # the stop rule: a candidate is measured only if its optimistic value beats the best by more than this part of one measurement's interval (lower: more thorough, more experiments)
+    strategy: str = "rules"  # v3: one model of throughput and OOM risk, one acquisition, one stop rule (docs/search.md); rules: the step rules
+    stop_probability: float = 0.05  # v3: the search ends when P(another configuration beats the best by more than 1%) is under this
     heartbeat_seconds: int = 30  # workers: a running trial's heartbeat; after 4 missed beats another worker runs it again
 
 
@@ -346,6 +348,12 @@ def validate(cfg: DictConfig) -> None:
         raise UserError(f"search.explore={cfg.search.explore:g} is outside -1..1.",
                         "Give the part of one measurement's interval a candidate must be predicted to beat the best by: 0.5 (the default) "
                         "stops soonest, 0 or -0.5 measure candidates within the noise of the best too (more thorough, more experiments).")
+    if cfg.search.strategy not in ("v3", "rules"):
+        raise UserError(f"search.strategy={cfg.search.strategy!r} is not a search strategy.",
+                        "Use search.strategy=v3 (one model, one acquisition, one stop rule) or search.strategy=rules (the step rules).")
+    if not 0 < cfg.search.stop_probability < 1:
+        raise UserError(f"search.stop_probability={cfg.search.stop_probability:g} is outside 0..1.",
+                        "Give the probability under which the search stops, e.g. 0.05 (the default): lower runs longer.")
     m = cfg.measure
     if m.target_interval <= 0 or m.budget_s < 0 or m.max_warmup_steps < 0 or m.check_every < 1 or not 0 < m.confidence < 1:
         raise UserError(f"The measure settings are out of range: {dict(m)}.", "Use measure.target_interval > 0, budget_s >= 0, max_warmup_steps >= 0, check_every >= 1 and 0 < confidence < 1 (defaults 0.02, 4.5, 10, 2, 0.95).")

@@ -9,6 +9,13 @@
 - profiling.py, lines.py, knobs.py, repeats.py: the steps (profiling and the memory model; each
   stage's micro-batch; knobs and the best knobs' micro-batch; measuring again)
 - tuner.py: the loop that asks the strategy, claims a trial, runs it and records it
+
+search.strategy=v3 (docs/search.md) replaces the steps with one model, one acquisition, one stop rule:
+- v3.py: the strategy (profiling, then the acquisition's best candidate until the stop rule says stop)
+- constrained.py: the space every sampler proposes from
+- model.py: throughput with its uncertainty (a Gaussian process) and P(fits) (the memory model as prior)
+- acquisition.py: expected gain of the declared optimum per second, OOM risk as a cost
+- stop.py: the stop rule
 """
 
 from mlautotune.search.candidates import base_params, product

@@ -12,6 +12,7 @@ from mlautotune.search.candidates import distributions
 from mlautotune.search.ledger import Ledger, Measured
 from mlautotune.search.settings import SearchSettings
 from mlautotune.search.strategy import Step, Strategy
+from mlautotune.search.v3 import SearchV3
 from mlautotune.inputs.space import TuningPlan
 
 
@@ -38,7 +39,7 @@ class Tuner:
         self.make_experiment, self.run_experiment = make_experiment, run
         self.observers = list(observers)
         self.ledger = Ledger(study, settings.metric, distributions(plan), alone=settings.alone)
-        self.strategy = Strategy(plan, settings)
+        self.strategy = SearchV3(plan, settings) if settings.strategy == "v3" else Strategy(plan, settings)
         self.launched = 0  # experiments started by this process
         self._told: set = set()  # notes and stages already passed to the observers
         self.left: List[str] = []  # the step the budget stopped: its experiment's name and why it was worth running

@@ -4,6 +4,11 @@
 - gridsearch: every candidate once, in an order shuffled by the seed
 - random: a seeded uniform pick
 - any Optuna sampler by a Hydra `_target_` (search.sampler), e.g. optuna.samplers.TPESampler.
+
+With search.strategy=v3, model_based is the search's own model and acquisition (search/v3.py);
+gridsearch and random are Optuna's GridSampler and RandomSampler over the constrained space
+(baselines.py); CostModelSampler (cost_model_sampler.py) is the XGBoost cost model as an
+optuna.samplers.BaseSampler, for search.sampler or a plain Optuna study.
 """
 
 import inspect
@@ -11,9 +16,10 @@ from typing import Any, Dict, Optional
 
 from mlautotune.search.samplers.choosers import Chooser, GridOrder, OptunaChooser, RandomChoice
 from mlautotune.search.samplers.cost_model import CostModel
+from mlautotune.search.samplers.cost_model_sampler import CostModelSampler
 from mlautotune.search.samplers.model_based import ModelBasedSampler
 
-__all__ = ["ModelBasedSampler", "CostModel", "Chooser", "make_chooser"]
+__all__ = ["ModelBasedSampler", "CostModel", "CostModelSampler", "Chooser", "make_chooser"]
 BUILT_IN = {
     "mlautotune.search.samplers.ModelBasedSampler": ModelBasedSampler,
     "mlautotune.search.samplers.choosers.GridOrder": GridOrder,

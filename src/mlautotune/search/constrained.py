@@ -1,0 +1,60 @@
+"""The constrained space: every configuration the search may propose, for every sampler alike.
+
+Per stage that can fit (profiling.py), every knob combination (the stage's tuned knobs, none in
+fast mode) at every allowed micro-batch:
+- rule "list": the user's sizes; rule "fixed": the one size;
+- rule "min": a geometric ladder from the smallest size, four sizes per doubling, plus each knob
+  set's predicted memory edge (the throughput often peaks there);
+- with max_train_batch_size the global batch is fixed: only the sizes that fill it
+  (mbs x gas x data-parallel ranks, the largest micro-batch at each gas: TuningPlan.fills_batch).
+Always at most the micro-batch cap, and only where the memory model gives the configuration a
+chance to fit (P(fits) of at least MIN_P_FIT).
+"""
+
+from typing import Any, Dict, List, Tuple
+
+from mlautotune.inputs.space import TuningPlan
+from mlautotune.search.candidates import stage_knob_combos, with_knobs
+from mlautotune.search.model import FitModel
+
+MIN_P_FIT = 0.02
+PER_DOUBLING = 4
+
+
+def ladder(low: int, cap: int) -> List[int]:
+    sizes, k = [], 0
+    while True:
+        m = int(round(low * 2 ** (k / PER_DOUBLING)))
+        if m > cap:
+            return sorted(set(sizes))
+        sizes.append(m)
+        k += 1
+
+
+def sizes(plan: TuningPlan) -> List[int]:
+    cap, rule = plan.micro_batch_cap, plan.micro_batch
+    if rule.mode == "fixed":
+        return [rule.values[0]]
+    if rule.mode == "list":
+        return sorted(v for v in set(rule.values) if v <= cap)
+    low = rule.values[0]
+    if plan.max_train_batch_size:
+        return [m for m in range(low, cap + 1) if plan.fills_batch(m)]
+    return ladder(low, cap)
+
+
+def candidates(plan: TuningPlan, stages: List[int], fit: FitModel) -> List[Tuple[Dict[str, Any], float]]:
+    """Every configuration of the space, with its P(fits)."""
+    allowed = sizes(plan)
+    free = plan.micro_batch.mode == "min" and not plan.max_train_batch_size
+    out = []
+    for stage in stages:
+        for knobs in stage_knob_combos(plan, stage):
+            first = with_knobs(plan, stage, allowed[0], knobs)
+            here = set(allowed)
+            edge = fit.edge(first) if free else None
+            if edge is not None and allowed[0] <= int(edge) <= plan.micro_batch_cap:
+                here.add(int(edge))
+            here = sorted(here)
+            out += [(with_knobs(plan, stage, mbs, knobs), p) for mbs, p in zip(here, fit.p_fits(first, here)) if p >= MIN_P_FIT]
+    return out

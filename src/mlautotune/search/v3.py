@@ -1,0 +1,193 @@
+"""The search (search.strategy=v3): one model, one acquisition, one stop rule.
+
+`SearchV3.next(ledger)` decides afresh from every trial of the study (and the seed), so a resumed
+session, or a second worker on the same study, takes up the search where it stands:
+
+1. profiling (profiling.py): the first runs, which give the memory model its points; a stage that
+   cannot fit is skipped. What follows stays inside the constrained space (constrained.py).
+2. model_based: the model (model.py) is fitted on every measurement; other workers' pending
+   experiments are taken as measured at their predicted mean. Every untried configuration and
+   every measured one (a re-measurement) is valued by the acquisition (acquisition.py): expected
+   gain of the declared optimum per expected second, OOM risk as a cost. The best is measured,
+   unless the stop rule (stop.py) says that nothing is likely to beat the incumbent by more than
+   1%: then the search ends.
+   gridsearch / random: Optuna's GridSampler / RandomSampler over the same space (samplers/
+   baselines.py), and any other Optuna sampler through search.sampler; they end with the space or
+   the budget.
+
+The declared optimum (model_based) is the measured configuration with the highest posterior mean,
+not the luckiest draw; with the other samplers, the best median measurement.
+"""
+
+import math
+import statistics
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from mlautotune.inputs.space import TuningPlan, tuned_knobs
+from mlautotune.search import constrained
+from mlautotune.search.acquisition import gain, overlap, per_second, relative
+from mlautotune.search.candidates import params_key
+from mlautotune.search.ledger import Ledger, Measured
+from mlautotune.search.memory import MemoryModel
+from mlautotune.search.model import Z95, Encoder, FitModel, Observation, ThroughputModel
+from mlautotune.search.profiling import Profiling
+from mlautotune.search.samplers import make_chooser
+from mlautotune.search.samplers.baselines import grid_pick, random_pick
+from mlautotune.search.settings import SearchSettings
+from mlautotune.search.step import Step
+from mlautotune.search.stop import p_beaten
+
+MARGIN = 0.01  # the stop rule's "better by more than 1%"
+BUILT_IN = ("mlautotune.search.samplers.ModelBasedSampler", "mlautotune.search.samplers.choosers.GridOrder",
+            "mlautotune.search.samplers.choosers.RandomChoice")
+
+
+class SearchV3:
+    def __init__(self, plan: TuningPlan, settings: SearchSettings):
+        self.plan, self.s = plan, settings
+        target = (settings.sampler_target or {}).get("_target_")
+        self.kind = settings.tuner_type if target is None or target in BUILT_IN else "optuna"
+        self.chooser = make_chooser(settings.tuner_type, settings.seed, settings.sampler_target) if self.kind == "optuna" else None
+        self.cap, self.low = plan.micro_batch_cap, min(plan.micro_batch.values)
+        self.notes: List[str] = []
+        self.memory: Optional[MemoryModel] = None
+        self.pending_params: List[Dict[str, Any]] = []
+        self.pending_repeats: Dict[str, int] = {}
+        self.profiling = Profiling(self)
+        values: Dict[str, list] = {}
+        for stage in plan.stages:
+            for k, vs in tuned_knobs(plan, stage).items():
+                values.setdefault(k, []).extend(vs)
+        self.encoder = Encoder(values)
+        self._fitted: Tuple[Any, Optional[ThroughputModel]] = (None, None)
+        self.all_runs: List[Measured] = []  # the study's runs at the last look
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+    def memory_model(self, runs: List[Measured]) -> Optional[MemoryModel]:
+        return self.profiling.memory_model(runs)
+
+    # ---- the score, the model and the declared optimum -----------------------------------------------
+    def score(self, value: Optional[float]) -> Optional[float]:
+        if value is None:
+            return None
+        return value if self.s.maximize else 1.0 / max(value, 1e-12)
+
+    def model(self, runs: List[Measured]) -> Optional[ThroughputModel]:
+        """The model fitted on every measurement of these runs (cached while they do not change)."""
+        obs = [Observation(m.params, math.log(self.score(v)), _noise_var(m)) for m in runs if m.value is not None for v in m.values]
+        key = tuple((params_key(o.params), o.log_score) for o in obs)
+        if self._fitted[0] != key:
+            self._fitted = (key, ThroughputModel(self.encoder, self.s.seed).fit(obs) if obs else None)
+        return self._fitted[1]
+
+    def ranked(self, runs: List[Measured]) -> List[Tuple[Measured, float, float]]:
+        """Measured configurations with their posterior (mean, sd), best first."""
+        ok = [m for m in runs if m.value is not None]
+        if not ok:
+            return []
+        if self.kind != "model_based":
+            return sorted(((m, math.log(self.score(m.final_value)), m.interval / Z95) for m in ok), key=lambda t: -t[1])
+        known = {m.trial_number for m in self.all_runs}
+        fitted_on = self.all_runs if all(m.trial_number in known for m in ok) else runs  # a part of the study: the whole study's model
+        mu, sd = self.model(fitted_on).predict([m.params for m in ok])
+        return sorted(zip(ok, mu.tolist(), sd.tolist()), key=lambda t: -t[1])
+
+    def best(self, runs: List[Measured]) -> Optional[Measured]:
+        if len(runs) >= len(self.all_runs):
+            self.all_runs = list(runs)
+        ranked = self.ranked(runs)
+        return ranked[0][0] if ranked else None
+
+    def tied(self, lead: Measured, other: Measured) -> bool:
+        """Their 95% intervals (posterior, model_based; measured, otherwise) overlap."""
+        by = {m.trial_number: (mu, sd) for m, mu, sd in self.ranked([lead, other])}
+        (a, sa), (b, sb) = by[lead.trial_number], by[other.trial_number]
+        return abs(a - b) <= Z95 * (sa + sb)
+
+    # ---- the next step -------------------------------------------------------------------------------
+    def next(self, ledger: Ledger) -> Optional[Step]:
+        runs, taken = ledger.order, ledger.taken()
+        self.all_runs = list(runs)
+        self.pending_params = list(ledger.pending.values())
+        self.pending_repeats = ledger.pending_repeats
+        self.memory = self.memory_model(runs)
+        step = self.profiling.step(runs, taken)
+        if step is not None or not any(m.ok for m in runs):
+            return step
+        stages = [s for s in self.plan.stages if self.profiling.feasible(s)]
+        fit = FitModel(self.plan, self.memory, runs)
+        space = [(p, q) for p, q in constrained.candidates(self.plan, stages, fit) if params_key(p) not in taken]
+        untried, p_fit = [p for p, _ in space], [q for _, q in space]
+        if self.kind != "model_based":
+            return self.sampler_step(untried, p_fit, runs, taken, ledger)
+        return self.acquisition_step(untried, p_fit, runs)
+
+    def acquisition_step(self, untried: List[Dict[str, Any]], p_untried: List[float], runs: List[Measured]) -> Optional[Step]:
+        model = self.model(runs).with_fantasies(self.pending_params)
+        measured = [m for m in runs if m.value is not None]
+        params = untried + [m.params for m in measured]
+        mu, sd = model.predict(params)
+        n = len(untried)
+        order = sorted(range(n, len(params)), key=lambda i: -mu[i])
+        inc = order[0]
+        diff = mu - mu[inc]
+        fits_interval = overlap(mu, sd, np.full(len(params), mu[inc]), np.full(len(params), sd[inc]))
+        if len(order) > 1:  # the incumbent measured again is worth what the runner-up may take from it
+            up = order[1]
+            diff[inc], fits_interval[inc] = mu[up] - mu[inc], overlap(mu[up], sd[up], mu[inc], sd[inc])
+        else:
+            fits_interval[inc] = False  # nothing to fall back on: measuring the only one again changes no choice
+        p_fit = np.array(list(p_untried) + [1.0] * len(measured))
+        ok_s, oom_s = self.seconds(runs, params)
+        g = gain(diff, sd, fits_interval, model.noise_var)
+        values = per_second(g, p_fit, ok_s, oom_s)
+        rng = np.random.RandomState((self.s.seed * 7919 + len(runs)) % 2**32)
+        p = p_beaten(model, params[inc], untried, p_fit[:n], [q for i, q in enumerate(params[n:], n) if i != inc], MARGIN, rng)
+        if p < self.s.stop_probability or not np.isfinite(values).any() or values.max() <= 0:
+            self.note(f"stopped: the probability that one more measurement shows a configuration better than the best by more than {MARGIN:.0%} "
+                      f"is {p:.1%}, under search.stop_probability={self.s.stop_probability:g}")
+            return None
+        i = int(np.argmax(values))
+        why = f"expected gain {relative(g[i]):.2%} of the best, P(fits) {p_fit[i]:.2f}"
+        if i < n:
+            return Step(untried[i], why)
+        m = measured[i - n]
+        return Step(m.params, f"measured again: {why}, within the interval of the best", repeat_of=m)
+
+    def seconds(self, runs: List[Measured], params: List[Dict[str, Any]]) -> Tuple[List[float], List[float]]:
+        """Expected seconds of each candidate's experiment, run and OOM: the medians of its stage's, else of all."""
+        def med(xs, default):
+            return statistics.median(xs) if xs else default
+
+        ok_all = [m.result.wall_time_s for m in runs if m.ok]
+        oom_all = [m.result.wall_time_s for m in runs if m.result.status == "oom"]
+        every = med(ok_all, 60.0)
+        by_stage = {s: med([m.result.wall_time_s for m in runs if m.ok and m.params["stage"] == s], every) for s in range(4)}
+        oom = med(oom_all, every)
+        return [max(by_stage[p["stage"]], 1e-3) for p in params], [max(oom, 1e-3)] * len(params)
+
+    def sampler_step(self, untried, p_fit, runs, taken, ledger) -> Optional[Step]:
+        """gridsearch, random or another Optuna sampler, over the configurations predicted to fit."""
+        untried = [p for p, q in zip(untried, p_fit) if q >= 0.5]
+        if not untried:
+            return None
+        by_key = {params_key(p): p for p in untried}
+        if self.kind == "gridsearch":
+            choice = by_key[grid_pick(list(by_key), self.s.seed)]
+        elif self.kind == "random":
+            choice = by_key[random_pick(list(by_key), self.s.seed, ledger.spent)]
+        else:
+            history = [(m.params, m.value, m.result.status) for m in runs]
+            choice = self.chooser.choose(untried, history, self.s.maximize, ledger.spent)
+        return Step(choice, f"{self.kind}: a configuration of the space not yet run")
+
+
+def _noise_var(m: Measured) -> float:
+    """The measurement's own variance (log units) from its interval; a disturbed window counts four times."""
+    sd = m.single_interval / Z95
+    return sd**2 * (4.0 if m.result.metrics.get("disturbed") else 1.0)
