@@ -19,7 +19,7 @@ from mlautotune.run.experiment import run_experiment
 from mlautotune.run.probe import Probe
 
 SETTINGS = {"target_interval": 0.02, "budget_s": 3.0, "max_warmup_steps": 10, "warmup_tolerance": 0.1, "confidence": 0.95,
-            "check_every": 2, "adaptive": True, "max_cpu_wait": 0.05, "pin_cpu_ranks": True}
+            "check_every": 2, "adaptive": True, "max_cpu_wait": 0.05, "pin_cpu_ranks": True, "synchronize": True}
 
 
 # ---------- the statistics ----------
