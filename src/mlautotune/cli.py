@@ -6,6 +6,7 @@ from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
 
 from mlautotune.inputs.config import COMMANDS, register_configs, validate_command
 from mlautotune.errors import UserError
@@ -71,6 +72,8 @@ def app(cfg: DictConfig) -> None:
         run(cfg)
     except UserError as e:
         fail(e)
+    except OmegaConfBaseException as e:  # e.g. ${name} in a value, read as an interpolation
+        fail(UserError(f"A setting cannot be read: {str(e).splitlines()[0]}.", "A value's ${...} is an OmegaConf interpolation: write it as \\${...} to keep it as text."))
     except Exception as e:  # never to Hydra, whose "Error executing job with overrides" line would print passwords
         from mlautotune.redact import redact_text
 
@@ -104,6 +107,7 @@ def redact_multirun_record() -> None:
 def hydra_quote(text: str) -> str:
     """A Hydra override value that is exactly `text` (a single-quoted string, quotes and backslashes escaped)."""
     # Hydra: inside quotes, only backslashes before a quote (or before the closing quote) are escapes.
+    text = text.replace("${", "\\${")  # not an OmegaConf interpolation: `${IFS}` in a value stays as it is
     return "'" + re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\'" if m.group(2) else ""), text) + "'"
 
 
@@ -188,6 +192,11 @@ def hydra_error(e: Exception) -> UserError:
         options = re.findall(r"^\t(\S+)$", text, flags=re.M)
         return UserError(f"{group}={option} is not an installed Hydra option (available: {', '.join(options) or 'none'}).",
                          f"Install the plugin that provides it (e.g. pip install hydra-{option}-launcher), or leave {group} unset.")
+    wrong = re.search(r"Error merging override ([^=\s]+)=(.*?): Value '(.*)' of type '\w+' could not be converted to (\w+)", text)
+    if wrong:
+        key, _, value, kind = wrong.groups()
+        kind = {"Integer": "a whole number", "Float": "a number", "Boolean": "true or false", "String": "a string"}.get(kind, kind)
+        return UserError(f"{key}={value!r} is not {kind}: {key} takes {kind}.", f"Give {key} {kind} (`mlautotune --cfg job` lists every key with its type).")
     lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith(("full_key", "object_type", "reference_type", "To append", "Config search path", "provider="))]
     unknown = re.match(r"Could not override '([^']+)'\.?$", lines[0]) if len(lines) == 1 else None
     if unknown:

@@ -20,12 +20,12 @@ from mlautotune.inputs.config import BUNDLED_CONFIG, BUNDLED_SCRIPT
 from mlautotune.inputs.ds_values import check_ds_values
 from mlautotune.errors import UserError
 from mlautotune.run.experiment import Experiment, Resources, Result, run_experiment, world_size
-from mlautotune.files import atomic_write_json, inside, read_json
+from mlautotune.files import atomic_write_json, inside, read_json, safe_name
 from mlautotune.inputs.checks import (check_mp_size, check_resources, check_script, check_storage, check_tracking_uri, check_writable, given_path,
                                is_hf_trainer, split_args, store_folder)
 from mlautotune.run.measure import thread_env, usable_cores
 from mlautotune.run.ops import accelerator_name
-from mlautotune.redact import remember_secrets
+from mlautotune.redact import redact_text, remember_secrets
 from mlautotune.inputs.results_folder import SESSION_FILE, SessionLock, archive_previous_session, check_owner, check_results_folder
 from mlautotune.search import SearchSettings
 from mlautotune.inputs.space import TuningPlan, build_plan, experiment_config, experiment_name
@@ -191,7 +191,8 @@ def open_session(cfg: DictConfig, dry_run: bool = False, lock: bool = False, wor
         name = f"{name}-{datetime.now():%Y%m%d-%H%M%S}"
     check_storage(storage, create=not dry_run)
     check_tracking_uri(final.tracking.tracking_uri, create=not dry_run)
-    remember_secrets(script_args, storage, final.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", ""), ds_config)
+    remember_secrets(script_args, storage, final.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", ""), ds_config,
+                     {k: v for k, v in os.environ.items() if len(v) >= 8})  # secret-named variables that the script may print
     held = SessionLock(results_dir, name, shared=worker).acquire() if lock else None
     try:
         check_owner(results_dir, name, final.autotuning.overwrite)
@@ -229,7 +230,8 @@ def _results_dir(cfg: DictConfig) -> Path:
     base = Path(cfg.autotuning.results_dir or "autotuning_results").expanduser().absolute()
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
         job = HydraConfig.get().job
-        return base / (job.override_dirname or f"job{job.num}")
+        name = job.override_dirname or f"job{job.num}"
+        return base / (name if redact_text(name) == name else safe_name(redact_text(name)))  # no password in a folder's name
     return base
 
 

@@ -209,10 +209,18 @@ def check_tracking_uri(uri: Optional[str], create: bool = True) -> None:
 
     from mlflow.tracking._tracking_service.utils import _get_store
 
-    if not create and urlparse(uri).scheme in ("", "file", "sqlite"):
+    scheme = urlparse(uri).scheme
+    if (scheme in ("", "file") or len(scheme) == 1) and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("true", "1"):
+        raise UserError(f"The MLflow tracking URI {redact_text(uri)!r} is a file store (a folder), which MLflow 3 refuses when the first run is logged.",
+                        f"Use a database instead, e.g. tracking.tracking_uri=sqlite:///{Path(uri.removeprefix('file://') or 'mlruns').name or 'mlruns'}.db "
+                        "(`mlflow migrate-filestore` moves an existing folder's runs), or set MLFLOW_ALLOW_FILE_STORE=true to keep the folder.")
+    if uri in ("sqlite://", "sqlite:///") or (uri.startswith("sqlite:") and uri.endswith(":memory:")):
+        raise UserError(f"The MLflow tracking URI {uri!r} is an in-memory database: every run would be lost when the session ends.",
+                        "Give a file, e.g. tracking.tracking_uri=sqlite:///mlflow.db.")
+    if not create and scheme in ("", "file", "sqlite"):
         return  # opening these would create the store; plan writes nothing
 
     try:
         _get_store(uri)
     except Exception as e:
-        raise UserError(f"The MLflow tracking URI {redact_text(uri)!r} cannot be used: {redact_text(str(e).splitlines()[0])}", "Use a URI like http://127.0.0.1:5000, sqlite:///mlflow.db or a folder path, via tracking.tracking_uri or MLFLOW_TRACKING_URI.")
+        raise UserError(f"The MLflow tracking URI {redact_text(uri)!r} cannot be used: {redact_text(str(e).splitlines()[0])}", "Use a URI like http://127.0.0.1:5000 or sqlite:///mlflow.db, via tracking.tracking_uri or MLFLOW_TRACKING_URI.")
