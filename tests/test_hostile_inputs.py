@@ -234,3 +234,64 @@ def test_the_mlproject_entry_point_refuses_an_unknown_parameter_in_one_paragraph
     monkeypatch.setattr(sys, "argv", ["mlproject", "nonsense=1", "config=ds.json"])
     code, _, err = run_cli(tmp_path, [], main=lambda argv: mlproject.main())
     assert_one_paragraph(code, err, "'nonsense' is not a parameter of the MLproject")
+
+
+# ---------- real experiments and sessions ----------
+
+@pytest.mark.e2e
+def test_a_flooding_script_with_a_detached_daemon_and_secrets(tiny_experiment, tmp_path, monkeypatch, leftovers):
+    """One real 2-rank launch of a script that starts a setsid daemon, prints its token and an environment
+    secret, floods stderr with 6 MB and fails: the daemon is killed and named in launches.log, stderr.log
+    keeps its head and tail (and says so), and no file of the experiment holds either secret."""
+    from mlautotune.redact import remember_secrets
+    from mlautotune.run import logs
+    from mlautotune.run.experiment import run_experiment
+
+    monkeypatch.setenv("MY_SERVICE_PASSWORD", "env-secret-9f3k2")
+    args = ["--marker", str(tmp_path / "daemon"), "--hf_token", "hf_tok3n_value_xyz", "--flood_mb", "6"]
+    remember_secrets(args, {"MY_SERVICE_PASSWORD": "env-secret-9f3k2"})  # what open_session notes for a session
+    result = run_experiment(tiny_experiment(script=SCRIPTS / "flood_and_detach.py", script_args=args, timeout_s=120.0), tmp_path)
+    assert result.status == "failed"
+    exp_dir = Path(result.exp_dir)
+    pids = [int(p.read_text()) for p in tmp_path.glob("daemon.*")]
+    assert len(pids) == 1
+    alive = psutil.pid_exists(pids[0]) and psutil.Process(pids[0]).status() != psutil.STATUS_ZOMBIE
+    assert not alive
+    assert f"killed pid {pids[0]}" in (exp_dir / "launches.log").read_text()
+    stderr = (exp_dir / "stderr.log").read_text()
+    assert (exp_dir / "stderr.log").stat().st_size < 2 * logs.LOG_KEEP_BYTES + 4096
+    assert "bytes of this log were cut here" in stderr and stderr.rstrip().endswith("flood")
+    assert "token in the clear: ***; from the environment: ***" in (exp_dir / "stdout.log").read_text()
+    for path in exp_dir.iterdir():
+        text = path.read_text(errors="replace")
+        assert "hf_tok3n_value_xyz" not in text and "env-secret-9f3k2" not in text, path.name
+    assert "***" in (exp_dir / "cmd.txt").read_text()
+    assert leftovers(result.exp_dir) == []
+
+
+def test_a_tracking_server_that_never_answers_is_tried_once_then_the_session_goes_on_untracked(tmp_path, monkeypatch):
+    """A real socket that accepts connections and never answers: the first call is tried (2 attempts), every
+    later one is skipped at once, the outage is said once, without the URI's password."""
+    import threading
+
+    import optuna
+
+    from mlautotune.track.tracking import Tracker
+
+    server = socket.create_server(("127.0.0.1", 0))
+    held = []
+    threading.Thread(target=lambda: [held.append(server.accept()) for _ in iter(int, 1)], daemon=True).start()
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "1")
+    messages = []
+    t = Tracker(f"http://me:s3cr3tpw@127.0.0.1:{server.getsockname()[1]}", "mlautotune", say=messages.append, backoff_s=0.1, results_dir="RES")
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'optuna.db'}", study_name="s")
+    assert t.open_parent(study, "sess", {"a": 1}, {}, []) is None and not t.online
+    for n in range(5):
+        t.child_started(n, f"z0_gas1_tmbspg{n + 1}", {"stage": 0}, {"status": "running"})
+        t.child_finished(n, f"z0_gas1_tmbspg{n + 1}", {"stage": 0}, {"throughput": 1.0}, {"status": "ok"}, None, "FINISHED")
+    t.close_parent({}, {}, [], "FINISHED")
+    assert len(held) == 2, len(held)  # the first call's two attempts, nothing after
+    assert t.missed >= 11
+    assert len(messages) == 1 and "goes on untracked" in messages[0] and "mlautotune sync autotuning.results_dir=RES" in messages[0]
+    assert "s3cr3tpw" not in messages[0]
+    server.close()

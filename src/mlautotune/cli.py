@@ -192,10 +192,10 @@ def hydra_error(e: Exception) -> UserError:
         options = re.findall(r"^\t(\S+)$", text, flags=re.M)
         return UserError(f"{group}={option} is not an installed Hydra option (available: {', '.join(options) or 'none'}).",
                          f"Install the plugin that provides it (e.g. pip install hydra-{option}-launcher), or leave {group} unset.")
-    wrong = re.search(r"Error merging override ([^=\s]+)=(.*?): Value '(.*)' of type '\w+' could not be converted to (\w+)", text)
+    wrong = re.search(r"Error merging override ([^=\s]+)=(.*?): Value '(.*)' (?:of type '\w+' could not be converted to|is not a valid) (\w+)", text)
     if wrong:
         key, _, value, kind = wrong.groups()
-        kind = {"Integer": "a whole number", "Float": "a number", "Boolean": "true or false", "String": "a string"}.get(kind, kind)
+        kind = {"Integer": "a whole number", "Float": "a number", "Boolean": "true or false", "bool": "true or false", "String": "a string"}.get(kind, kind)
         return UserError(f"{key}={value!r} is not {kind}: {key} takes {kind}.", f"Give {key} {kind} (`mlautotune --cfg job` lists every key with its type).")
     lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith(("full_key", "object_type", "reference_type", "To append", "Config search path", "provider="))]
     unknown = re.match(r"Could not override '([^']+)'\.?$", lines[0]) if len(lines) == 1 else None

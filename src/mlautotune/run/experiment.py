@@ -245,9 +245,15 @@ def _wait(proc: runner_process.Process, exp_dir: Path, timeout_s: float, gracefu
                     ops.remove_stale_locks(ds_config, lambda text: _log_launch(exp_dir, text))
         return proc.poll() is None, False
     finally:
-        _end_group(proc, graceful)  # also on KeyboardInterrupt/SIGTERM, which then propagate
         if in_main and previous == signal.SIG_DFL:
             signal.signal(signal.SIGTERM, previous)
+        # also on KeyboardInterrupt/SIGTERM, which then propagate; a second Ctrl-C waits for the kill
+        interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main else None
+        try:
+            _end_group(proc, graceful)
+        finally:
+            if in_main:
+                signal.signal(signal.SIGINT, interrupt)
 
 
 def _rank_records(exp_dir: Path) -> List[dict]:
