@@ -275,6 +275,51 @@ def test_a_typo_in_an_override_is_an_error(tmp_path):
     assert proc.returncode == 2 and "tuner_typ" in proc.stderr and "Traceback" not in proc.stderr
 
 
+HOSTILE = """
+## Hostile inputs beyond `plan` (tests/test_hostile_inputs.py)
+
+Each runs through a real entry point (`mlautotune tune`, `mlautotune-deepspeed`, the MLproject's
+`mlflow run` entry point) and is checked for exit status 2, one paragraph, no traceback, no password
+in what is printed, and no user file moved.
+
+- **Host names.** Every host of a hostfile (and of `launcher.include`/`exclude`) must be a host name
+  (letters, digits, `-` and `_`, dot-separated, not starting with `-`) or an IP address, and `slots=` a
+  whole number of at least 1, before anything reaches ssh, pdsh or DeepSpeed's runner. A test plants
+  `-oProxyCommand=touch${IFS}MARK` as the first host of a real `tune` and checks that MARK never appears.
+- **The results folder is the tool's own.** `autotuning.results_dir` may not be the working folder,
+  the training script's folder, the MLflow tracking store's folder or the Optuna storage's folder,
+  nor a folder holding files mlautotune did not write (a folder of a previous session may be resumed
+  even with other files in it, but not archived). `overwrite=true` archives only the tool's own
+  entries (session.json, summary.txt, trials.csv, plots, optuna.db, ... and experiment folders holding
+  the cmd.txt or exp.json written before each launch) into `previous_sessions/`; anything else stays.
+- **Stores.** An unreachable PostgreSQL/MySQL server (named by host and port, connect timeout 5 s), a
+  driver that is not installed (`mysql://` without mysqlclient), a sqlite study in a folder that cannot
+  be written, an in-memory `sqlite://` study, a file-store (`file://` or folder) or in-memory tracking
+  URI: one paragraph each, with the URL's password masked everywhere, Hydra's lines included (no
+  exception reaches Hydra's "Error executing job with overrides" report).
+- **Hydra itself.** A launcher or sweeper plugin that is not installed (`hydra/launcher=joblib`), a
+  `hydra.run.dir`/`hydra.sweep.dir` that cannot be made, `-m` with a command other than `tune`,
+  `+key=value`/`~key` (keys added to or deleted from the schema), and in a multirun every swept value
+  of the wrong type or key: each refused before Hydra runs the job.
+- **The drop-in.** `mlautotune-deepspeed` with an unknown flag, no script, `--num_gpus two` or
+  `--autotuning bogus`: DeepSpeed's own parser's complaint as one paragraph, not argparse's usage block.
+- **Secrets.** cmd.txt and exp.json hold the command with secret flags' values masked (only
+  cmd_optimal.txt must run as it is); after each experiment its stdout.log and stderr.log are
+  rewritten with every known secret value masked (a token among the script's arguments, the tracking
+  URI's password, any environment variable whose name marks a secret, such as `HF_TOKEN`).
+  A multirun's job folders, `multirun.yaml` and console lines show no URL password.
+- **Logs and tracking outages.** An experiment's log longer than 4 MiB keeps its first and last 2 MiB,
+  with a line saying how many bytes were cut (on disk and in MLflow). A tracking server that is down
+  or never answers is tried once (2 attempts, MLflow's own retries off, a 10 s timeout); then the
+  session goes on untracked and `mlautotune sync` fills MLflow in later.
+- **Interrupts and a full disk.** A second Ctrl-C (or SIGTERM) while the partial report is written only
+  says it is being written; the parent run always ends KILLED. A full disk, also under the Optuna
+  study's sqlite file, ends the session FAILED with the reason, no run left RUNNING, exit status 1.
+- **Detached processes.** Every process an experiment starts carries `MLAUTOTUNE_EXPERIMENT=<token>`
+  in its environment; when the experiment ends, any that left its process group (a `setsid` daemon)
+  is killed and named in the experiment's launches.log.
+"""
+
 ACCEPTED = """
 ## Accepted, not errors (tests/test_dropin.py)
 
@@ -302,4 +347,5 @@ if __name__ == "__main__":  # regenerate docs/bad-inputs.md
             err = error_lines(stderr)
             msg = err[0].replace(os.path.realpath(d), "<tmp>").replace(d, "<tmp>").replace("|", "\\|") if err else "(no message)"
         print(f"| {case.replace('|', '/')} | {msg} |")
+    print(HOSTILE)
     print(ACCEPTED)

@@ -85,6 +85,32 @@ def app(cfg: DictConfig) -> None:
         sys.exit(1)
 
 
+def redact_log_records() -> None:
+    """Every log record of this process (Hydra's "#0 : key=value" job lines, MLflow's, ours) with
+    URL passwords and known secrets masked."""
+    import logging
+
+    from mlautotune.redact import redact_text
+
+    make = logging.getLogRecordFactory()
+    if getattr(make, "redacts", False):
+        return
+
+    def redacted(*args, **kwargs):
+        record = make(*args, **kwargs)
+        try:
+            text = record.getMessage()
+        except Exception:  # noqa: BLE001 - a record whose arguments do not format is left to logging
+            return record
+        masked = redact_text(text)
+        if masked != text:
+            record.msg, record.args = masked, None
+        return record
+
+    redacted.redacts = True
+    logging.setLogRecordFactory(redacted)
+
+
 def redact_multirun_record() -> None:
     """Hydra's multirun.yaml holds the overrides as given: a password in a URL is masked there."""
     from hydra.core.hydra_config import HydraConfig
@@ -136,6 +162,7 @@ def main(argv=None) -> None:
     # search.sampler is an open dict (the sampler's _target_ and arguments): let its keys be added.
     argv = [f"++{a}" if a.startswith(("search.sampler=", "search.sampler.")) else a for a in argv]
     register_configs()
+    redact_log_records()
     # MLflow's HTTP retries and timeouts: see tracking.Tracker (it retries each call itself, with backoff).
     import optuna
 

@@ -125,7 +125,7 @@ class Tracker:
         # MLflow's "View run at <uri>" lines would print a password in the URI, once per run: the
         # console has our own line, with the URI redacted.
         for var, value in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0"), ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1"),
-                           ("MLFLOW_HTTP_REQUEST_TIMEOUT", "5"), ("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")):
+                           ("MLFLOW_HTTP_REQUEST_TIMEOUT", "10"), ("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")):
             os.environ.setdefault(var, value)
         self.enabled = enabled
         self.tracking_uri = tracking_uri or mlflow.get_tracking_uri()
