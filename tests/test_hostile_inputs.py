@@ -297,11 +297,11 @@ def test_a_tracking_server_that_never_answers_is_tried_once_then_the_session_goe
     server.close()
 
 
-def test_a_multirun_with_a_password_in_the_tracking_uri_keeps_it_out_of_its_files_and_console(tmp_path):
-    """A real Hydra multirun whose tracking server is down: each job refuses it in one paragraph, and
-    Hydra's multirun.yaml, written before the jobs, holds the URI with its password masked."""
-    uri = f"postgresql+psycopg://me:s3cr3tpw@127.0.0.1:{closed_port()}/mlflow"
-    code, out, err = run_cli(tmp_path, ["-m", f"config={ds_config(tmp_path)}", f"tracking.tracking_uri={uri}", "autotuning.tuner_type=random,gridsearch"])
+def test_a_multirun_with_a_password_in_a_url_keeps_it_out_of_its_files_and_console(tmp_path):
+    """A real Hydra multirun whose study server is down: the job refuses it in one paragraph, and Hydra's
+    multirun.yaml and job lines, written before the jobs, hold the URL with its password masked."""
+    uri = f"postgresql+psycopg://me:s3cr3tpw@127.0.0.1:{closed_port()}/optuna"
+    code, out, err = run_cli(tmp_path, ["-m", f"config={ds_config(tmp_path)}", "tracking.enabled=false", f"search.storage={uri}", "autotuning.tuner_type=random,gridsearch"])
     assert code == 2 and "Traceback" not in err, err
     assert "s3cr3tpw" not in out + err
     record = (tmp_path / "multirun" / "multirun.yaml").read_text()
