@@ -118,9 +118,70 @@ CASES = [
     ("sampler that is not an Optuna sampler", {"autotuning": OK_AT}, ["search.sampler={_target_: collections.OrderedDict}"], "is not an Optuna sampler"),
     ("sampler without _target_", {"autotuning": OK_AT}, ["search.sampler={seed: 1}"], "has no _target_"),
     ("misspelt key on the command line", {"autotuning": OK_AT}, ["autotuning.tuner_typ=random"], "'autotuning.tuner_typ' is not a setting of mlautotune"),
-    ("1e999 on the command line", {"autotuning": OK_AT}, ["autotuning.tuner_num_trials=1e999"], "could not be converted to Integer"),
-    ("a word for a number on the command line", {"autotuning": OK_AT}, ["launcher.num_gpus=two"], "Value 'two' of type 'str' could not be converted to Integer"),
+    ("1e999 on the command line", {"autotuning": OK_AT}, ["autotuning.tuner_num_trials=1e999"], "autotuning.tuner_num_trials='inf' is not a whole number"),
+    ("a word for a number on the command line", {"autotuning": OK_AT}, ["launcher.num_gpus=two"], "launcher.num_gpus='two' is not a whole number"),
     ("a sweep without --multirun", {"autotuning": OK_AT}, ["autotuning.metric=throughput,latency"], "Ambiguous value"),
+    # ---- issue 49: values DeepSpeed or MLflow would fail on or misread later
+    ('"fast": "no"', {"autotuning": {"enabled": True, "fast": "no"}}, [], 'autotuning.fast is "no" (in quotes: DeepSpeed reads a string, and any non-empty string is true)'),
+    ('"fast": "false"', {"autotuning": {"enabled": True, "fast": "false"}}, [], 'autotuning.fast is "false"'),
+    ('"overwrite": "false"', {"autotuning": {"enabled": True, "overwrite": "false"}}, [], 'autotuning.overwrite is "false"'),
+    ('"tuner_num_trials": "900"', {"autotuning": {"enabled": True, "tuner_num_trials": "900"}}, [], 'autotuning.tuner_num_trials is "900" (in quotes)'),
+    ('"tuner_early_stopping": "3"', {"autotuning": {"enabled": True, "tuner_early_stopping": "3"}}, [], "not a whole number"),
+    ('"experiment_timeout": "900"', {"autotuning": {"enabled": True, "experiment_timeout": "900"}}, [], 'autotuning.experiment_timeout is "900" (in quotes), not a number'),
+    ('"train_micro_batch_size_per_gpu": "16"', {"train_micro_batch_size_per_gpu": "16", "autotuning": OK_AT}, [], 'train_micro_batch_size_per_gpu is "16" (in quotes: DeepSpeed reads a string, not a number)'),
+    ('"gradient_accumulation_steps": "3"', {"gradient_accumulation_steps": "3", "autotuning": OK_AT}, [], 'gradient_accumulation_steps is "3"'),
+    ('"train_batch_size": 0', {"train_batch_size": 0, "autotuning": OK_AT}, [], "train_batch_size=0 is not a batch size"),
+    ('"train_batch_size": -8', {"train_batch_size": -8, "autotuning": OK_AT}, [], "train_batch_size=-8 is not a batch size"),
+    ('"train_batch_size": "16"', {"train_batch_size": "16", "autotuning": OK_AT}, [], 'train_batch_size is "16"'),
+    ('"fp16": {"enabled": "false"}', {"fp16": {"enabled": "false"}, "autotuning": OK_AT}, [], 'fp16.enabled is "false" (in quotes: DeepSpeed reads a string, and any non-empty string is true)'),
+    ('"bf16": {"enabled": "no"}', {"bf16": {"enabled": "no"}, "autotuning": OK_AT}, [], 'bf16.enabled is "no"'),
+    ('"wall_clock_breakdown": "false"', {"wall_clock_breakdown": "false", "autotuning": OK_AT}, [], 'wall_clock_breakdown is "false"'),
+    ('"steps_per_print": "10"', {"steps_per_print": "10", "autotuning": OK_AT}, [], 'steps_per_print is "10"'),
+    ('"fp16": true (not an object)', {"fp16": True, "autotuning": OK_AT}, [], "fp16 is true, not an object"),
+    ("zero_optimization as a list", {"zero_optimization": [1, 2], "autotuning": OK_AT}, [], "zero_optimization is [1, 2], not an object"),
+    ("zero_optimization as a string", {"zero_optimization": "stage2", "autotuning": OK_AT}, [], 'zero_optimization is "stage2", not an object'),
+    ("offload_optimizer to nvme without nvme_path", {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}, "autotuning": OK_AT}, [], "offload_optimizer.device is \"nvme\" but no nvme_path"),
+    ("offload_param to nvme without nvme_path", {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "pin_memory": True}}, "autotuning": OK_AT}, [], "offload_param.device is \"nvme\" but no nvme_path"),
+    ("offload_optimizer as a string", {"zero_optimization": {"stage": 2, "offload_optimizer": "cpu"}, "autotuning": OK_AT}, [], 'offload_optimizer is "cpu", not an object'),
+    ("reduce_bucket_size 0", {"zero_optimization": {"stage": 2, "reduce_bucket_size": 0}, "autotuning": OK_AT}, [], "zero_optimization.reduce_bucket_size is 0"),
+    ("allgather_bucket_size 0", {"zero_optimization": {"stage": 2, "allgather_bucket_size": 0}, "autotuning": OK_AT}, [], "zero_optimization.allgather_bucket_size is 0"),
+    ("sub_group_size 0", {"zero_optimization": {"stage": 3, "sub_group_size": 0}, "autotuning": OK_AT}, [], "zero_optimization.sub_group_size is 0"),
+    ("a 0 in a bucket-size list", {"zero_optimization": {"stage": 2, "reduce_bucket_size": [5e8, 0]}, "autotuning": OK_AT}, [], "reduce_bucket_size is 0"),
+    ("experiment_timeout=0", {"autotuning": OK_AT}, ["autotuning.experiment_timeout=0"], "not a positive number of seconds"),
+    ("tiny experiment_timeout", {"autotuning": OK_AT}, ["autotuning.experiment_timeout=0.5"], "shorter than a DeepSpeed launch takes"),
+    ("final_training_timeout=0", {"autotuning": OK_AT}, ["autotuning.final_training_timeout=0"], "final_training_timeout=0 is not a number of seconds"),
+    ("final_training_timeout=nan", {"autotuning": OK_AT}, ["autotuning.final_training_timeout=nan"], "final_training_timeout=nan"),
+    ("final_training_timeout negative", {"autotuning": {"enabled": True, "final_training_timeout": -60}}, [], "final_training_timeout=-60"),
+    ("end_profile_step beyond any timeout", {"autotuning": {"enabled": True, "end_profile_step": 10**7, "experiment_timeout": 60}}, [], "cannot end within autotuning.experiment_timeout=60 s"),
+    ("arg_mappings with an empty key", {"autotuning": {"enabled": True, "arg_mappings": {"": "--batch_size"}}}, [], "arg_mappings has an empty key"),
+    ("arg_mappings key that is not tuned", {"autotuning": {"enabled": True, "arg_mappings": {"learning_rate": "--lr"}}}, [], "arg_mappings maps 'learning_rate', which is not a key this session tunes"),
+    ("hostfile slots=1.5", {"autotuning": OK_AT}, ["launcher.hostfile=@FRACHOSTS@"], "slots='1.5'"),
+    ("hostfile host that is an ssh option", {"autotuning": OK_AT}, ["launcher.hostfile=@EVILHOSTS@"], "names the host '-oProxyCommand=touch${IFS}/tmp/x' on line 1"),
+    ("include that is an ssh option", {"autotuning": OK_AT}, ["launcher.include='-oProxyCommand=id'"], "launcher.include='-oProxyCommand=id' names"),
+    ("exclude with a shell character", {"autotuning": OK_AT}, ["launcher.exclude='worker-1;id'"], "launcher.exclude='worker-1;id' names 'worker-1;id'"),
+    ("empty tracking.experiment_name", {"autotuning": OK_AT}, ["tracking.experiment_name="], "tracking.experiment_name is empty"),
+    ("blank tracking.experiment_name", {"autotuning": OK_AT}, ["tracking.experiment_name=' '"], "tracking.experiment_name is empty"),
+    ("file:// tracking URI", {"autotuning": OK_AT}, ["tracking.tracking_uri=file:///tmp/mlruns"], "is a file store (a folder), which MLflow 3 refuses"),
+    ("folder as tracking URI", {"autotuning": OK_AT}, ["tracking.tracking_uri=./mlruns"], "is a file store"),
+    ("in-memory sqlite tracking URI", {"autotuning": OK_AT}, ["tracking.tracking_uri=sqlite://"], "is an in-memory database"),
+    ("in-memory sqlite study", {"autotuning": OK_AT}, ["search.storage=sqlite://"], "in-memory sqlite database"),
+    ("storage whose driver is not installed", {"autotuning": OK_AT}, ["search.storage=mysql://me:pw@db/optuna"], "needs the mysql driver 'mysqldb', which is not installed"),
+    # ---- issue 49: a wrong type names the key and the type it takes
+    ('"tuner_num_trials": "many"', {"autotuning": {"enabled": True, "tuner_num_trials": "many"}}, [], 'autotuning.tuner_num_trials is "many" (in quotes), not a whole number'),
+    ('"metric": 5', {"autotuning": {"enabled": True, "metric": 5}}, [], "autotuning.metric is 5, not a string"),
+    ('"fast": 1', {"autotuning": {"enabled": True, "fast": 1}}, [], "autotuning.fast is 1, not true or false"),
+    ('"results_dir": 7', {"autotuning": {"enabled": True, "results_dir": 7}}, [], "autotuning.results_dir is 7, not a string"),
+    ('"max_train_batch_size": "big"', {"autotuning": {"enabled": True, "max_train_batch_size": "big"}}, [], "autotuning.max_train_batch_size is \"big\""),
+    ('"experiment_timeout": true', {"autotuning": {"enabled": True, "experiment_timeout": True}}, [], "autotuning.experiment_timeout is true, not a number"),
+    ('"mp_size": 1.5', {"autotuning": {"enabled": True, "mp_size": 1.5}}, [], "autotuning.mp_size is 1.5, not a whole number"),
+    ('"arg_mappings": "x"', {"autotuning": {"enabled": True, "arg_mappings": "x"}}, [], 'autotuning.arg_mappings is "x", not an object'),
+    ('"memory_limit_per_rank": true', {"autotuning": {"enabled": True, "memory_limit_per_rank": True}}, [], "autotuning.memory_limit_per_rank is true, not a string"),
+    ('"start_profile_step": "3"', {"autotuning": {"enabled": True, "start_profile_step": "3"}}, [], 'autotuning.start_profile_step is "3"'),
+    ('"num_tuning_micro_batch_sizes": [3]', {"autotuning": {"enabled": True, "num_tuning_micro_batch_sizes": [3]}}, [], "autotuning.num_tuning_micro_batch_sizes is [3], not a whole number"),
+    ('"tuner_type": ["random"]', {"autotuning": {"enabled": True, "tuner_type": ["random"]}}, [], 'autotuning.tuner_type is ["random"], not a string'),
+    ('"model_info": "x"', {"autotuning": {"enabled": True, "model_info": "x"}}, [], 'autotuning.model_info is "x", not an object'),
+    ("a word for a boolean on the command line", {"autotuning": OK_AT}, ["autotuning.fast=maybe"], "autotuning.fast='maybe' is not true or false"),
+    ("a word for a float on the command line", {"autotuning": OK_AT}, ["autotuning.experiment_timeout=long"], "autotuning.experiment_timeout='long' is not a number"),
 ]
 
 
@@ -131,6 +192,8 @@ def prepare(tmp_path: Path, ds, extra):
     (tmp_path / "hosts").write_text("localhost slots=2\n")
     (tmp_path / "hosts4").write_text("localhost slots=4\n")
     (tmp_path / "badhosts").write_text("localhost slots=two\n")
+    (tmp_path / "frachosts").write_text("localhost slots=1.5\n")
+    (tmp_path / "evilhosts").write_text("-oProxyCommand=touch${IFS}/tmp/x slots=1\nlocalhost slots=1\n")
     if ds == "@HUGE@":
         with open(cfg, "wb") as f:
             f.truncate(17 * 2**20)  # sparse: big to stat, no time to write
@@ -144,7 +207,7 @@ def prepare(tmp_path: Path, ds, extra):
     elif ds is not None:
         cfg.write_text(ds if isinstance(ds, str) else json.dumps(ds))
     subs = {"@TXT@": str(tmp_path / "notes.txt"), "@HOSTS4@": str(tmp_path / "hosts4"), "@HOSTS@": str(tmp_path / "hosts"),
-            "@BADHOSTS@": str(tmp_path / "badhosts"), "@TMP@": str(tmp_path)}
+            "@BADHOSTS@": str(tmp_path / "badhosts"), "@FRACHOSTS@": str(tmp_path / "frachosts"), "@EVILHOSTS@": str(tmp_path / "evilhosts"), "@TMP@": str(tmp_path)}
     args = [next((a.replace(k, v) for k, v in subs.items() if k in a), a) for a in extra]
     first = [a[len("@FIRST@"):] for a in args if a.startswith("@FIRST@")]
     args = [a for a in args if not a.startswith("@FIRST@")]
@@ -196,7 +259,7 @@ def test_bad_input_gets_a_clear_error(tmp_path, case, ds, extra, fragment):
     assert len(lines) == 1, stderr
     assert fragment in lines[0]
     assert "\n" not in lines[0]
-    leftovers = {p.name for p in tmp_path.iterdir()} - {"ds.json", "notes.txt", "hosts", "hosts4", "badhosts", "loop2.json"}
+    leftovers = {p.name for p in tmp_path.iterdir()} - {"ds.json", "notes.txt", "hosts", "hosts4", "badhosts", "frachosts", "evilhosts", "loop2.json"}
     assert not leftovers, f"plan wrote {leftovers}"
 
 
@@ -213,6 +276,51 @@ def test_a_typo_in_an_override_is_an_error(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "mlautotune", "plan", "autotuning.tuner_typ=random"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "tuner_typ" in proc.stderr and "Traceback" not in proc.stderr
 
+
+HOSTILE = """
+## Hostile inputs beyond `plan` (tests/test_hostile_inputs.py)
+
+Each runs through a real entry point (`mlautotune tune`, `mlautotune-deepspeed`, the MLproject's
+`mlflow run` entry point) and is checked for exit status 2, one paragraph, no traceback, no password
+in what is printed, and no user file moved.
+
+- **Host names.** Every host of a hostfile (and of `launcher.include`/`exclude`) must be a host name
+  (letters, digits, `-` and `_`, dot-separated, not starting with `-`) or an IP address, and `slots=` a
+  whole number of at least 1, before anything reaches ssh, pdsh or DeepSpeed's runner. A test plants
+  `-oProxyCommand=touch${IFS}MARK` as the first host of a real `tune` and checks that MARK never appears.
+- **The results folder is the tool's own.** `autotuning.results_dir` may not be the working folder,
+  the training script's folder, the MLflow tracking store's folder or the Optuna storage's folder,
+  nor a folder holding files mlautotune did not write (a folder of a previous session may be resumed
+  even with other files in it, but not archived). `overwrite=true` archives only the tool's own
+  entries (session.json, summary.txt, trials.csv, plots, optuna.db, ... and experiment folders holding
+  the cmd.txt or exp.json written before each launch) into `previous_sessions/`; anything else stays.
+- **Stores.** An unreachable PostgreSQL/MySQL server (named by host and port, connect timeout 5 s), a
+  driver that is not installed (`mysql://` without mysqlclient), a sqlite study in a folder that cannot
+  be written, an in-memory `sqlite://` study, a file-store (`file://` or folder) or in-memory tracking
+  URI: one paragraph each, with the URL's password masked everywhere, Hydra's lines included (no
+  exception reaches Hydra's "Error executing job with overrides" report).
+- **Hydra itself.** A launcher or sweeper plugin that is not installed (`hydra/launcher=joblib`), a
+  `hydra.run.dir`/`hydra.sweep.dir` that cannot be made, `-m` with a command other than `tune`,
+  `+key=value`/`~key` (keys added to or deleted from the schema), and in a multirun every swept value
+  of the wrong type or key: each refused before Hydra runs the job.
+- **The drop-in.** `mlautotune-deepspeed` with an unknown flag, no script, `--num_gpus two` or
+  `--autotuning bogus`: DeepSpeed's own parser's complaint as one paragraph, not argparse's usage block.
+- **Secrets.** cmd.txt and exp.json hold the command with secret flags' values masked (only
+  cmd_optimal.txt must run as it is); after each experiment its stdout.log and stderr.log are
+  rewritten with every known secret value masked (a token among the script's arguments, the tracking
+  URI's password, any environment variable whose name marks a secret, such as `HF_TOKEN`).
+  A multirun's job folders, `multirun.yaml` and console lines show no URL password.
+- **Logs and tracking outages.** An experiment's log longer than 4 MiB keeps its first and last 2 MiB,
+  with a line saying how many bytes were cut (on disk and in MLflow). A tracking server that is down
+  or never answers is tried once (2 attempts, MLflow's own retries off, a 10 s timeout); then the
+  session goes on untracked and `mlautotune sync` fills MLflow in later.
+- **Interrupts and a full disk.** A second Ctrl-C (or SIGTERM) while the partial report is written only
+  says it is being written; the parent run always ends KILLED. A full disk, also under the Optuna
+  study's sqlite file, ends the session FAILED with the reason, no run left RUNNING, exit status 1.
+- **Detached processes.** Every process an experiment starts carries `MLAUTOTUNE_EXPERIMENT=<token>`
+  in its environment; when the experiment ends, any that left its process group (a `setsid` daemon)
+  is killed and named in the experiment's launches.log.
+"""
 
 ACCEPTED = """
 ## Accepted, not errors (tests/test_dropin.py)
@@ -241,4 +349,5 @@ if __name__ == "__main__":  # regenerate docs/bad-inputs.md
             err = error_lines(stderr)
             msg = err[0].replace(os.path.realpath(d), "<tmp>").replace(d, "<tmp>").replace("|", "\\|") if err else "(no message)"
         print(f"| {case.replace('|', '/')} | {msg} |")
+    print(HOSTILE)
     print(ACCEPTED)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
 
 from mlautotune.inputs.config import COMMANDS, register_configs, validate_command
 from mlautotune.errors import UserError
@@ -67,24 +68,79 @@ def app(cfg: DictConfig) -> None:
             from mlautotune.worker import report_command as run
         else:
             from mlautotune.commands import tune_command as run
+        redact_multirun_record()
         run(cfg)
     except UserError as e:
         fail(e)
-    except Exception as e:
+    except OmegaConfBaseException as e:  # e.g. ${name} in a value, read as an interpolation
+        fail(UserError(f"A setting cannot be read: {str(e).splitlines()[0]}.", "A value's ${...} is an OmegaConf interpolation: write it as \\${...} to keep it as text."))
+    except Exception as e:  # never to Hydra, whose "Error executing job with overrides" line would print passwords
+        from mlautotune.redact import redact_text
+
         if type(e).__name__ != "SessionFailed":
-            raise
-        print(f"mlautotune: {e}", file=sys.stderr)
+            import traceback
+
+            print(redact_text("".join(traceback.format_exception(e))).rstrip(), file=sys.stderr)
+        print(f"mlautotune: {redact_text(str(e))}", file=sys.stderr)
         sys.exit(1)
+
+
+def redact_log_records() -> None:
+    """Every log record of this process (Hydra's "#0 : key=value" job lines, MLflow's, ours) with
+    URL passwords and known secrets masked."""
+    import logging
+
+    from mlautotune.redact import redact_text
+
+    make = logging.getLogRecordFactory()
+    if getattr(make, "redacts", False):
+        return
+
+    def redacted(*args, **kwargs):
+        record = make(*args, **kwargs)
+        try:
+            text = record.getMessage()
+        except Exception:  # noqa: BLE001 - a record whose arguments do not format is left to logging
+            return record
+        masked = redact_text(text)
+        if masked != text:
+            record.msg, record.args = masked, None
+        return record
+
+    redacted.redacts = True
+    logging.setLogRecordFactory(redacted)
+
+
+def redact_multirun_record() -> None:
+    """Hydra's multirun.yaml holds the overrides as given: a password in a URL is masked there."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from mlautotune.files import atomic_write_text
+    from mlautotune.redact import redact_text
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return
+    record = Path(HydraConfig.get().sweep.dir) / "multirun.yaml"
+    try:
+        text = record.read_text()
+    except OSError:
+        return
+    if redact_text(text) != text:
+        atomic_write_text(record, redact_text(text))
 
 
 def hydra_quote(text: str) -> str:
     """A Hydra override value that is exactly `text` (a single-quoted string, quotes and backslashes escaped)."""
     # Hydra: inside quotes, only backslashes before a quote (or before the closing quote) are escapes.
+    text = text.replace("${", "\\${")  # not an OmegaConf interpolation: `${IFS}` in a value stays as it is
     return "'" + re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\'" if m.group(2) else ""), text) + "'"
 
 
 def fail(e: UserError) -> None:
-    print(f"mlautotune: error: {e.message}", file=sys.stderr)
+    from mlautotune.redact import redact_text
+
+    print(f"mlautotune: error: {redact_text(e.message)}", file=sys.stderr)
     sys.exit(e.exit_code)
 
 
@@ -96,19 +152,24 @@ def main(argv=None) -> None:
         return
     if argv and argv[0] in COMMANDS:
         argv = [f"command={argv[0]}", *argv[1:]]
+    multirun = bool({"-m", "--multirun"} & set(argv))
+    command = next((a.partition("=")[2] for a in argv if a.startswith("command=")), "tune")
+    if multirun and command != "tune":
+        fail(UserError(f"{command} does not take -m/--multirun: a multirun is a sweep of tuning sessions.",
+                       f"Drop -m to {command} one setting, or sweep `mlautotune -m key=a,b` (tune)."))
     elif argv and not argv[0].startswith("-") and "=" not in argv[0]:
         fail(UserError(f"{argv[0]!r} is not a command.", f"Use one of {', '.join(COMMANDS)}, or key=value settings only (tune is the default); see mlautotune --help."))
     # search.sampler is an open dict (the sampler's _target_ and arguments): let its keys be added.
     argv = [f"++{a}" if a.startswith(("search.sampler=", "search.sampler.")) else a for a in argv]
     register_configs()
+    redact_log_records()
     # MLflow's HTTP retries and timeouts: see tracking.Tracker (it retries each call itself, with backoff).
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    if not {"-m", "--multirun"} & set(argv):
-        check_overrides(argv)
-        if _cfg_job(argv):
-            return print_effective_settings([a for a in argv if a not in ("--cfg", "-c", "job", "--cfg=job")])
+    check_overrides(argv, multirun)
+    if not multirun and _cfg_job(argv):
+        return print_effective_settings([a for a in argv if a not in ("--cfg", "-c", "job", "--cfg=job")])
     sys.argv = [sys.argv[0], *argv]
     app()
 
@@ -140,20 +201,77 @@ def print_effective_settings(argv) -> None:
     print(OmegaConf.to_yaml(final), end="")
 
 
-def check_overrides(argv) -> None:
-    """Compose the config once with the key=value overrides, so that one Hydra refuses (a misspelt key,
-    a value of the wrong type) gets one paragraph and exit status 2, like every other bad input."""
+def check_overrides(argv, multirun: bool = False) -> None:
+    """Compose the config once with the key=value overrides (in a multirun, once per swept value), so
+    that what Hydra refuses (a misspelt key, a value of the wrong type, a launcher plugin that is not
+    installed) gets one paragraph and exit status 2, like every other bad input; `+key`/`~key` (keys
+    added to or deleted from the schema) and an output folder that cannot be made are refused too."""
     from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
-    overrides = [a for a in argv if "=" in a and not a.startswith("-") and not a.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    given = [a for a in argv if "=" in a and not a.startswith("-")]
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            compose(config_name="config", overrides=overrides)
+        parsed = OverridesParser.create().parse_overrides(given)
     except HydraException as e:
-        text = str(e) + (f": {e.__cause__}" if e.__cause__ else "")
-        lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith(("full_key", "object_type", "reference_type", "To append"))]
-        unknown = re.match(r"Could not override '([^']+)'\.?$", lines[0]) if len(lines) == 1 else None
-        if unknown:
-            lines = [f"'{unknown.group(1)}' is not a setting of mlautotune (a misspelt key?)"]
-        fail(UserError(" ".join(lines).rstrip(".") + ".", "Check the key against `mlautotune --cfg job` (every key with its type), and the value's type."))
+        fail(hydra_error(e))
+    for o in parsed:
+        key = o.get_key_element()
+        if key.startswith(("+", "~")) and not o.key_or_group.startswith("search.sampler"):
+            fail(UserError(f"{o.input_line!r} {'adds' if key.startswith('+') else 'deletes'} the key {o.key_or_group!r}, which mlautotune does not have or cannot do without: "
+                           "the settings are a fixed schema, and an added key would be silently ignored.",
+                           f"Set an existing key without the {key[0]} (e.g. autotuning.tuner_num_trials=20); `mlautotune --cfg job` lists every key with its type."))
+    variants = [given]
+    if multirun:  # each swept value once, the other sweeps at their first value
+        first = {i: next(iter(o.sweep_string_iterator()), "") for i, o in enumerate(parsed) if o.is_sweep_override()}
+        plain = [o.input_line if i not in first else f"{o.get_key_element()}={_value(first[i])}" for i, o in enumerate(parsed)]
+        variants = [plain] + [plain[:i] + [f"{o.get_key_element()}={_value(v)}"] + plain[i + 1:]
+                              for i, o in enumerate(parsed) if i in first for v in list(o.sweep_string_iterator())[1:]]
+    for overrides in variants:
+        try:
+            with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+                cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+        except HydraException as e:
+            fail(hydra_error(e))
+        check_output_dir(str(cfg.hydra.sweep.dir if multirun else cfg.hydra.run.dir), "hydra.sweep.dir" if multirun else "hydra.run.dir")
+
+
+def _value(text: str) -> str:
+    return text if re.fullmatch(r"[\w.:/@+-]*", text) else hydra_quote(text)
+
+
+def hydra_error(e: Exception) -> UserError:
+    text = str(e) + (f": {e.__cause__}" if e.__cause__ else "")
+    missing = re.search(r"Could not find '(hydra/[^/']+)/([^']+)'", text)
+    if missing:
+        group, option = missing.groups()
+        options = re.findall(r"^\t(\S+)$", text, flags=re.M)
+        return UserError(f"{group}={option} is not an installed Hydra option (available: {', '.join(options) or 'none'}).",
+                         f"Install the plugin that provides it (e.g. pip install hydra-{option}-launcher), or leave {group} unset.")
+    wrong = re.search(r"Error merging override ([^=\s]+)=(.*?): Value '(.*)' (?:of type '\w+' could not be converted to|is not a valid) (\w+)", text)
+    if wrong:
+        key, _, value, kind = wrong.groups()
+        kind = {"Integer": "a whole number", "Float": "a number", "Boolean": "true or false", "bool": "true or false", "String": "a string"}.get(kind, kind)
+        return UserError(f"{key}={value!r} is not {kind}: {key} takes {kind}.", f"Give {key} {kind} (`mlautotune --cfg job` lists every key with its type).")
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith(("full_key", "object_type", "reference_type", "To append", "Config search path", "provider="))]
+    unknown = re.match(r"Could not override '([^']+)'\.?$", lines[0]) if len(lines) == 1 else None
+    if unknown:
+        lines = [f"'{unknown.group(1)}' is not a setting of mlautotune (a misspelt key?)"]
+    return UserError(" ".join(lines).rstrip(".") + ".", "Check the key against `mlautotune --cfg job` (every key with its type), and the value's type.")
+
+
+def check_output_dir(path: str, key: str) -> None:
+    """Hydra makes its output folder before the app runs: one that cannot be made is refused first."""
+    import tempfile
+
+    from mlautotune.inputs.checks import nearest_existing
+
+    base = nearest_existing(Path(path).expanduser().absolute())
+    try:
+        if not base.is_dir():
+            raise NotADirectoryError(20, "not a directory")
+        with tempfile.TemporaryFile(dir=base):
+            pass
+    except OSError as e:
+        fail(UserError(f"{key}={path!r} cannot be made: {str(base)!r} is {'not a folder' if not base.is_dir() else 'not writable'} ({e.strerror}).",
+                       f"Set {key} to a folder that can be created, or leave it unset."))

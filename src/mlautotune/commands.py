@@ -5,11 +5,13 @@ import shlex
 import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, Optional
 
 from omegaconf import DictConfig, OmegaConf
+from optuna.exceptions import StorageInternalError
 
 from mlautotune.console import Console
 from mlautotune.errors import UserError
@@ -82,14 +84,17 @@ def _tune(session: Session) -> None:
     try:
         outcome = tuner.tune()
     except KeyboardInterrupt:
+        hold_interrupts(console)  # a second Ctrl-C must not cut the partial report and leave the parent RUNNING
         status, outcome = "partial", tuner.outcome()
         console.say("mlautotune: interrupted; writing the best so far, marked partial. Run the same command again to resume.")
         tracker.kill_open_children()
-    except OSError as e:  # a full disk, a folder gone read-only: end cleanly with what there is
+    except (OSError, StorageInternalError) as e:  # a full disk, a folder gone read-only: end cleanly with what there is
+        hold_interrupts(console)
         status, outcome, failure = "failed", tuner.outcome(), e
         tracker.kill_open_children()
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if status == "complete":
+            signal.signal(signal.SIGTERM, previous)
     wall = time.monotonic() - started
     if failure is not None:
         _fail_on_os_error(session, study, tracker, outcome, wall, failure, console)
@@ -124,13 +129,27 @@ def closing_warnings(outcome: Outcome, study, console: Console) -> None:
         console.say("mlautotune: warning: " + disturbance_text(d).removeprefix("Warning: "))
 
 
-def _fail_on_os_error(session: Session, study, tracker: Tracker, outcome: Outcome, wall: float, error: OSError, console: Console) -> None:
+def hold_interrupts(console: Console) -> None:
+    """From the first interrupt on, Ctrl-C and SIGTERM only say that the partial report is being written."""
+    def say(signum, frame):
+        console.say("mlautotune: still writing the partial report and closing the MLflow runs; it takes a few seconds.")
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, say)
+        signal.signal(signal.SIGTERM, say)
+
+
+def _fail_on_os_error(session: Session, study, tracker: Tracker, outcome: Outcome, wall: float, error: Exception, console: Console) -> None:
     """Write what can still be written, end the parent run as FAILED with the reason, exit 1."""
-    reason = f"writing {error.filename or 'a file'} failed: {error.strerror or error}"
+    if isinstance(error, OSError):
+        reason = f"writing {error.filename or 'a file'} failed: {error.strerror or error}"
+    else:  # Optuna's study database (sqlite in the results folder) could not be written
+        cause = error.__cause__ or error.__context__ or error
+        reason = f"writing the Optuna study ({redact_text(session.storage)}) failed: {redact_text(' '.join(str(cause).split())[:200])}"
     try:
         closing = finish(session, study, tracker, outcome, "partial", wall)
         wrote = f"the partial results are in {session.results_dir}"
-    except OSError:
+    except (OSError, StorageInternalError):
         closing = {"metrics": session_metrics(outcome, session.at.metric, wall), "tags": {"status": "failed"}, "artifacts": [],
                    "status": "FAILED", "step": len(study.trials), "note": ""}
         wrote = "the partial results could not be written there either; they are in the MLflow parent run"

@@ -30,7 +30,7 @@ def overrides(argv: List[str]) -> List[str]:
     from deepspeed.launcher.constants import PDSH_LAUNCHER
     from deepspeed.launcher.runner import DLTS_HOSTFILE, parse_args
 
-    args = parse_args(argv)
+    args = parse_launcher_args(parse_args, argv)
     for name in UNSUPPORTED:
         if getattr(args, name):
             raise UserError(f"--{name} is not supported by mlautotune-deepspeed: every experiment runs the script through mlautotune's measuring probe.", "Pass a Python training script without --module/--no_python/--no_local_rank.")
@@ -53,6 +53,25 @@ def overrides(argv: List[str]) -> List[str]:
     if extra:
         out.append("launcher.launcher_args=[" + ",".join(hydra_quote(x) for x in extra) + "]")
     return out
+
+
+def parse_launcher_args(parse_args, argv: List[str]):
+    """DeepSpeed's own parser; its complaint (argparse's usage block and error) becomes one paragraph."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return parse_args(argv)
+    except SystemExit as e:
+        if not e.code:
+            raise  # --help: argparse printed it
+        said = next((line.split("error:", 1)[1].strip() for line in reversed(err.getvalue().splitlines()) if "error:" in line), err.getvalue().strip())
+        if "user_script" in said and "required" in said:
+            said = "no training script is given"
+        raise UserError(f"mlautotune-deepspeed: {said}.",
+                        "Write it as the DeepSpeed launcher's command line: mlautotune-deepspeed [--num_gpus N] [--hostfile F] [--autotuning tune|run] train.py --deepspeed ds.json [script args] (see mlautotune --help).")
 
 
 def main(argv: Optional[List[str]] = None) -> None:

@@ -5,6 +5,7 @@ import sys
 
 from mlautotune import cli
 from mlautotune.cli import hydra_quote
+from mlautotune.errors import UserError
 from mlautotune.inputs.config import MLPROJECT_KEYS
 
 KEYS = MLPROJECT_KEYS
@@ -17,11 +18,14 @@ def overrides(argv: list) -> list:
     for arg in argv:
         name, _, value = arg.partition("=")
         if name == "overrides":
-            first += shlex.split(value)
+            try:
+                first += shlex.split(value)
+            except ValueError as e:
+                cli.fail(UserError(f"The MLproject parameter overrides={value!r} cannot be split into settings ({e}).", "Close the quote, e.g. -P overrides=\"script_args='--epochs 1'\"."))
         elif name in KEYS and value != "":
             out.append(f"{KEYS[name]}={hydra_quote(value) if name in ('script_args', 'config', 'script', 'hostfile', 'results_dir') else value}")
         elif name not in KEYS:
-            raise SystemExit(f"mlautotune: error: unknown MLproject parameter {name!r}; known: {', '.join(KEYS)}, overrides.")
+            cli.fail(UserError(f"{name!r} is not a parameter of the MLproject.", f"Use one of {', '.join(KEYS)}, overrides (mlflow run . -P config=ds.json -P overrides='key=value ...')."))
     return first + out
 
 

@@ -16,7 +16,8 @@ MASK = "***"
 _WORDS = {"token", "password", "passwd", "pwd", "secret", "auth", "authorization", "credential", "credentials", "apikey", "passphrase"}
 _PAIRS = {("api", "key"), ("access", "key"), ("private", "key"), ("secret", "key"), ("client", "secret")}
 _SPLIT = re.compile(r"[^A-Za-z0-9]+|(?<=[a-z])(?=[A-Z])")
-_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<user>[^:/@\s]*):(?P<pw>[^@/\s]+)@")
+# (Hydra writes overrides with `:` escaped: `postgresql\://user\:pass@host`)
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*\\?://)(?P<user>[^:/@\s]*):(?P<pw>[^@/\s]+)@")
 _USERONLY_TOKEN = re.compile(r"(?P<scheme>https?://)(?P<user>[^:/@\s]{20,})@")  # https://<token>@github.com
 # KEY=value or KEY: value or --key value / --key=value, where KEY looks like a secret's name.
 _ASSIGN = re.compile(

@@ -18,15 +18,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from mlautotune.inputs import config as configlib
 from mlautotune.inputs.config import BUNDLED_CONFIG, BUNDLED_SCRIPT
+from mlautotune.inputs.ds_values import check_ds_values
 from mlautotune.errors import UserError
 from mlautotune.run.experiment import Experiment, Resources, Result, run_experiment, world_size
-from mlautotune.files import atomic_write_json, inside, read_json
+from mlautotune.files import atomic_write_json, inside, read_json, safe_name
 from mlautotune.inputs.checks import (check_mp_size, check_resources, check_script, check_storage, check_tracking_uri, check_writable, given_path,
-                               is_hf_trainer, split_args)
+                               is_hf_trainer, split_args, store_folder)
 from mlautotune.run.measure import thread_env, usable_cores
 from mlautotune.run.ops import accelerator_name
-from mlautotune.redact import remember_secrets
-from mlautotune.inputs.results_folder import SESSION_FILE, SessionLock, archive_previous_session, check_owner
+from mlautotune.redact import redact_text, remember_secrets
+from mlautotune.inputs.results_folder import SESSION_FILE, SessionLock, archive_previous_session, check_owner, check_results_folder
 from mlautotune.search import SearchSettings
 from mlautotune.inputs.space import TuningPlan, build_plan, experiment_config, experiment_name
 
@@ -169,7 +170,9 @@ def open_session(cfg: DictConfig, dry_run: bool = False, lock: bool = False, wor
     overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     ds_path = given_path(cfg.config, "config", "your ds_config.json", BUNDLED_CONFIG)
     ds_config = configlib.load_ds_config(ds_path)
+    check_ds_values(ds_config)
     final = configlib.settings(cfg, ds_config, overrides)
+    remember_secrets(final.search.storage or "", final.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", ""))
     configlib.validate(final)
     script = check_script(given_path(final.script, "script", "your training script .py", BUNDLED_SCRIPT))
     script_args = split_args(final.script_args)
@@ -182,6 +185,11 @@ def open_session(cfg: DictConfig, dry_run: bool = False, lock: bool = False, wor
     exps_dir = Path(final.autotuning.exps_dir or "autotuning_exps").absolute()
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
         exps_dir = results_dir / "exps"
+    storage = final.search.storage or f"sqlite:///{results_dir / 'optuna.db'}"
+    tracking_uri = final.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    check_results_folder(results_dir, bool(final.autotuning.overwrite), {
+        "the working folder": Path.cwd(), "the training script's folder": script.parent,
+        "the MLflow tracking store's folder": store_folder(tracking_uri), "the Optuna storage's folder": store_folder(final.search.storage)})
     for d in (results_dir, exps_dir):
         check_writable(d, create=not dry_run)
     device = accelerator_name()
@@ -189,10 +197,10 @@ def open_session(cfg: DictConfig, dry_run: bool = False, lock: bool = False, wor
     name = final.search.session or identity(final, ds_config, script, script_args, world_size=ws if worker else None)
     if final.autotuning.overwrite:
         name = f"{name}-{datetime.now():%Y%m%d-%H%M%S}"
-    storage = final.search.storage or f"sqlite:///{results_dir / 'optuna.db'}"
-    check_storage(storage)
+    check_storage(storage, create=not dry_run)
     check_tracking_uri(final.tracking.tracking_uri, create=not dry_run)
-    remember_secrets(script_args, storage, final.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", ""), ds_config)
+    remember_secrets(script_args, storage, final.tracking.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", ""), ds_config,
+                     {k: v for k, v in os.environ.items() if len(v) >= 8})  # secret-named variables that the script may print
     held = SessionLock(results_dir, name, shared=worker).acquire() if lock else None
     previous = owner(results_dir)
     changed = previous is not None and previous != name and not worker  # other settings: that session is archived, this one starts
@@ -244,7 +252,8 @@ def _results_dir(cfg: DictConfig) -> Path:
     base = Path(cfg.autotuning.results_dir or "autotuning_results").expanduser().absolute()
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
         job = HydraConfig.get().job
-        return base / (job.override_dirname or f"job{job.num}")
+        name = job.override_dirname or f"job{job.num}"
+        return base / (name if redact_text(name) == name else safe_name(redact_text(name)))  # no password in a folder's name
     return base
 
 

@@ -163,6 +163,8 @@ TUNERS = ("model_based", "gridsearch", "random")
 ENABLE_HINT = 'Add "autotuning": {"enabled": true} to the ds_config (see the DeepSpeed autotuning README).'
 
 
+MIN_TIMEOUT_S = 10  # a DeepSpeed launch alone takes seconds; a shorter timeout fails every experiment
+MIN_STEP_S = 0.001  # no training step is faster: an end_profile_step beyond timeout / this is never reached
 MAX_CONFIG_BYTES = 16 * 2**20  # a ds_config is a few KiB; a larger file is not one
 MAX_CONFIG_DEPTH = 32
 BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"), (b"\xfe\xff", "UTF-16"))
@@ -281,6 +283,7 @@ def settings(cfg: DictConfig, ds_config: dict, cli_overrides: list) -> DictConfi
     for key in section:
         if key not in known:
             raise UserError(f"The ds_config's autotuning section has an unknown key {key!r}.", f"Known keys: {', '.join(sorted(known))}.")
+        check_type(f"autotuning.{key}", section[key], AutotuningConf.__dataclass_fields__[key].type, "The ds_config's")
     final = cfg.copy()
     free_form = {k: section.pop(k) for k in ("arg_mappings", "model_info") if section.get(k) is not None}  # dicts of any keys
     try:
@@ -296,6 +299,44 @@ def settings(cfg: DictConfig, ds_config: dict, cli_overrides: list) -> DictConfi
     if isinstance(final.autotuning.metric, str):
         final.autotuning.metric = canonical_metric(final.autotuning.metric)
     return final
+
+
+KINDS = {bool: "true or false (a JSON boolean)", int: "a whole number", float: "a number", str: "a string", dict: "an object {...}"}
+
+
+def expected_kind(annotation) -> tuple:
+    """(Python type, may be null) of a dataclass field's annotation: bool, int, float, str or dict."""
+    import typing
+
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    base = typing.get_origin(annotation)
+    if base is typing.Union:
+        return expected_kind(args[0])[0], True
+    return (dict if base is dict or annotation is dict else annotation), False
+
+
+def check_type(key: str, value, annotation, where: str = "The") -> None:
+    """A value from the ds_config of the type its key takes, read as DeepSpeed reads it: no string for a
+    number or a boolean (OmegaConf would turn "900" into 900 and "no" into false, DeepSpeed reads "false" as true)."""
+    kind, nullable = expected_kind(annotation)
+    if value is None and nullable:
+        return
+    if key == "autotuning.memory_limit_per_rank" and isinstance(value, int) and not isinstance(value, bool):
+        return  # bytes
+    ok = {bool: lambda v: isinstance(v, bool),
+          int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          str: lambda v: isinstance(v, str),
+          dict: lambda v: isinstance(v, dict)}[kind](value)
+    if not ok:
+        quoted = " (in quotes: DeepSpeed reads a string, and any non-empty string is true)" if isinstance(value, str) and kind is bool else \
+                 " (in quotes)" if isinstance(value, str) and kind in (int, float) else ""
+        raise UserError(f"{where} {key} is {json.dumps(value)}{quoted}, not {KINDS[kind]}.",
+                        f"Give {key.rsplit('.', 1)[-1]} {KINDS[kind]}{' or null' if nullable else ''}, e.g. {json.dumps(EXAMPLES[kind])} without quotes."
+                        if kind in (bool, int, float) else f"Give {key.rsplit('.', 1)[-1]} {KINDS[kind]}{' or null' if nullable else ''}.")
+
+
+EXAMPLES = {bool: True, int: 20, float: 900.0}
 
 
 def canonical_metric(name: str) -> str:
@@ -326,6 +367,8 @@ def validate(cfg: DictConfig) -> None:
     if at.min_train_micro_batch_size_per_gpu > at.max_train_micro_batch_size_per_gpu:
         raise UserError(f"autotuning.min_train_micro_batch_size_per_gpu={at.min_train_micro_batch_size_per_gpu} is larger than max_train_micro_batch_size_per_gpu={at.max_train_micro_batch_size_per_gpu}.", "Make the minimum at most the maximum (defaults 1 and 1024).")
     for key, flag in (at.arg_mappings or {}).items():
+        if not str(key).strip():
+            raise UserError(f"arg_mappings has an empty key (mapped to {flag!r}).", 'Each key is the ds_config key the flag carries, e.g. "train_micro_batch_size_per_gpu": "--batch_size".')
         if not isinstance(flag, str) or not flag.startswith("--"):
             raise UserError(f"arg_mappings maps {key!r} to {flag!r}, which is not a command-line flag.", f'Write the flag with its dashes, e.g. "{key}": "--per_device_train_batch_size".')
         if not FLAG.fullmatch(flag.strip()):
@@ -334,6 +377,19 @@ def validate(cfg: DictConfig) -> None:
         raise UserError(f"mode={cfg.mode!r} is not a mode.", "Use mode=tune (find the optimum) or mode=run (then train with it).")
     if not math.isfinite(at.experiment_timeout) or at.experiment_timeout <= 0:
         raise UserError(f"autotuning.experiment_timeout={at.experiment_timeout} is not a positive number of seconds.", "Give seconds, e.g. 900.")
+    if at.experiment_timeout < MIN_TIMEOUT_S:
+        raise UserError(f"autotuning.experiment_timeout={at.experiment_timeout:g} s is shorter than a DeepSpeed launch takes (at least {MIN_TIMEOUT_S} s), so every experiment would time out.",
+                        f"Give at least {MIN_TIMEOUT_S} seconds, e.g. 900 (the default).")
+    if at.final_training_timeout is not None and (not math.isfinite(at.final_training_timeout) or at.final_training_timeout < MIN_TIMEOUT_S):
+        raise UserError(f"autotuning.final_training_timeout={at.final_training_timeout:g} is not a number of seconds of at least {MIN_TIMEOUT_S}.",
+                        "Give the seconds mode=run's final training may take, or null for no cap (the default).")
+    if at.end_profile_step > at.experiment_timeout / MIN_STEP_S:
+        raise UserError(f"autotuning.end_profile_step={at.end_profile_step} steps cannot end within autotuning.experiment_timeout={at.experiment_timeout:g} s "
+                        f"(that would take steps of under {MIN_STEP_S * 1000:g} ms), so every experiment would time out.",
+                        "Lower end_profile_step (default 5; the probe measures adaptively from start_profile_step on), or raise experiment_timeout.")
+    if not cfg.tracking.experiment_name or not str(cfg.tracking.experiment_name).strip():
+        raise UserError("tracking.experiment_name is empty; MLflow refuses an experiment without a name.",
+                        "Give a name, e.g. tracking.experiment_name=mlautotune (the default), or tracking.enabled=false to tune without MLflow.")
     if at.results_dir == "" or at.exps_dir == "":
         raise UserError("autotuning.results_dir or exps_dir is empty.", "Give a folder, or leave the key out for the default (autotuning_results, autotuning_exps).")
     if at.memory_limit_per_rank is not None:

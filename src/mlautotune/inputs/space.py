@@ -112,6 +112,11 @@ def build_plan(ds_config: Dict[str, Any], at: Any, space: Any, script_args: List
                 raise UserError(f"zero_optimization.{k} has the value {x!r}, which is not a number or true/false.", f"Give {k} a number, a boolean, or a list of them.")
             knobs[s][k] = [_as_int(x) for x in values]
     fixed_zero = {k: v for k, v in zero.items() if isinstance(v, dict)}  # offload sections etc., carried unchanged
+    tuned = {*BATCH_KEYS, "stage", *(k for s in knobs for k in knobs[s])}
+    for key in dict(at.arg_mappings or {}):
+        if key.strip() not in tuned:
+            raise UserError(f"arg_mappings maps {key!r}, which is not a key this session tunes, so its flag would never be set.",
+                            f"Map a tuned key ({', '.join(sorted(tuned))}) to the script's flag, or drop the entry.")
     for s in stages:
         check_zero_config(s, knobs[s], fixed_zero)
     gas = _gas(ds_config.get("gradient_accumulation_steps"), mappings, script_args)

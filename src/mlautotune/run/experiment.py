@@ -18,11 +18,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from mlautotune.run import cpu_features, failures, ops, probe, runner_process
+from mlautotune.redact import redact, redact_args
+from mlautotune.run import cpu_features, failures, logs, ops, probe, runner_process
 from mlautotune.inputs.config import MeasureConf, Resources
 from mlautotune.errors import UserError
 from mlautotune.files import atomic_write_json, atomic_write_text, inside, read_json
-from mlautotune.run.lifeline import group_members, release_shared_memory, tuner_lifeline
+from mlautotune.run.lifeline import EXPERIMENT_MARK, end_strays, group_members, release_shared_memory, tuner_lifeline
 from mlautotune.inputs.scriptargs import set_deepspeed_config, set_flag
 
 STATUSES = ("ok", "oom", "timeout", "failed", "incomplete")
@@ -249,9 +250,15 @@ def _wait(proc: runner_process.Process, exp_dir: Path, timeout_s: float, gracefu
                     ops.remove_stale_locks(ds_config, lambda text: _log_launch(exp_dir, text))
         return proc.poll() is None, False
     finally:
-        _end_group(proc, graceful)  # also on KeyboardInterrupt/SIGTERM, which then propagate
         if in_main and previous == signal.SIG_DFL:
             signal.signal(signal.SIGTERM, previous)
+        # also on KeyboardInterrupt/SIGTERM, which then propagate; a second Ctrl-C waits for the kill
+        interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main else None
+        try:
+            _end_group(proc, graceful)
+        finally:
+            if in_main:
+                signal.signal(signal.SIGINT, interrupt)
 
 
 def _rank_records(exp_dir: Path) -> List[dict]:
@@ -354,14 +361,15 @@ def _launch_once(exp: Experiment, exp_dir: Path, started: float, preferred: Opti
     token = uuid.uuid4().hex
     try:
         cmd = launch_command(exp, exp_dir, port, args)
-        atomic_write_text(exp_dir / "cmd.txt", shlex.join(cmd) + "\n")
-        atomic_write_json(exp_dir / "exp.json", {
+        # What is written about the command has its secrets masked (only cmd_optimal.txt must run as it is).
+        atomic_write_text(exp_dir / "cmd.txt", shlex.join(redact_args(cmd)) + "\n")
+        atomic_write_json(exp_dir / "exp.json", redact({
             "name": exp.name, "params": exp.params, "ds_config": str(ds_config_path), "script": exp.script,
-            "plain_cmd": plain_command(exp, str(ds_config_path)),
-            "script_args": args, "user_script_args": exp.script_args, "arg_mappings": exp.arg_mappings,
+            "plain_cmd": redact_args(plain_command(exp, str(ds_config_path))),
+            "script_args": redact_args(args), "user_script_args": redact_args(exp.script_args), "arg_mappings": exp.arg_mappings,
             "resources": asdict(exp.resources), "master_port": port, "start_profile_step": exp.start_profile_step,
             "end_profile_step": exp.end_profile_step, "memory_limit_bytes": exp.memory_limit_bytes, "timeout_s": timeout,
-            "measure": exp.measure, "env": exp.env})
+            "measure": exp.measure, "env": exp.env}))
         atomic_write_json(exp_dir / probe.SETTINGS_FILE, {
             "start_profile_step": exp.start_profile_step, "end_profile_step": exp.end_profile_step,
             "memory_limit_bytes": exp.memory_limit_bytes, "stop_after_window": exp.stop_after_window,
@@ -370,16 +378,20 @@ def _launch_once(exp: Experiment, exp_dir: Path, started: float, preferred: Opti
             "lifeline": [*tuner_lifeline().address, token]})
         for log in ("stdout.log", "stderr.log"):
             atomic_write_text(exp_dir / log, "")
-        proc = runner_process.start(cmd, str(exp_dir / "stdout.log"), str(exp_dir / "stderr.log"), {**os.environ, **exp.env},
+        proc = runner_process.start(cmd, str(exp_dir / "stdout.log"), str(exp_dir / "stderr.log"), {**os.environ, **exp.env, EXPERIMENT_MARK: token},
                                     fork_ranks=exp.stop_after_window)
         budget = max(0.0, exp.timeout_s - (time.time() - started))
         timed_out, measured = _wait(proc, exp_dir, budget, graceful=bool(exp.resources.hostfile), ds_config=exp.ds_config)
     finally:
         tuner_lifeline().cut(token)  # ranks on other hosts end too
+        for stray in end_strays(token):  # detached from the group (setsid): found by the mark in its environment
+            _log_launch(exp_dir, f"killed {stray}: the experiment had started it and it outlived the experiment's process group")
         release_shared_memory(port)  # what the ranks could not remove themselves (killed, failed)
         with _ports_lock:
             _ports_in_use.discard(port)
 
+    for log in ("stdout.log", "stderr.log"):
+        logs.settle(exp_dir / log)
     # Measured everywhere: every rank ended with os._exit(0); only the launcher's shutdown was cut short.
     returncode = 0 if measured else proc.returncode
     status, reason, metrics = classify(returncode, timed_out, exp_dir, exp.timeout_s)

@@ -172,3 +172,24 @@ def release_own_shared_memory() -> None:
     """A rank's side, as it ends: its own buffer (the other ranks' mappings stay valid; only a new open would fail)."""
     if os.environ.get("MASTER_PORT") and os.environ.get("RANK"):
         release_shared_memory(os.environ["MASTER_PORT"], os.environ["RANK"])
+
+
+EXPERIMENT_MARK = "MLAUTOTUNE_EXPERIMENT"  # in the environment of every process an experiment starts
+
+
+def end_strays(mark: str) -> list:
+    """Kill the processes on this host that carry the experiment's mark in their environment: what the
+    script forked and detached (setsid, a double fork) left its process group, so the group's kill
+    missed it. Returns a line naming each (pid and command), for the experiment's log."""
+    import psutil
+
+    strays = []
+    for p in psutil.process_iter(["pid", "uids"]):
+        try:
+            if p.pid == os.getpid() or p.info["uids"].real != os.getuid() or p.environ().get(EXPERIMENT_MARK) != mark:
+                continue
+            strays.append(f"pid {p.pid} ({' '.join(p.cmdline())[:200]})")
+            p.kill()
+        except (psutil.Error, AttributeError):
+            continue
+    return strays

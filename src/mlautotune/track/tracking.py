@@ -126,12 +126,13 @@ def local_artifacts(tracking_uri: str) -> Optional[str]:
 
 
 class Tracker:
-    """Logs to MLflow while it can. Each call is retried with backoff; when the server stays
-    unreachable the outage is shown once on the console, later calls try again (at most one
-    attempt per `cooldown_s`), results stay on disk and `mlautotune sync` fills in the rest."""
+    """Logs to MLflow while it can. A call is tried `attempts` times with backoff; when the server
+    stays unreachable the outage is shown once on the console and the session goes on untracked
+    at once (later calls are skipped; with a finite `cooldown_s`, one is tried again per
+    `cooldown_s`). Results stay on disk and `mlautotune sync` fills in the rest."""
 
     def __init__(self, tracking_uri: Optional[str], experiment_name: str, enabled: bool = True, *,
-                 attempts: int = 3, backoff_s: float = 1.0, cooldown_s: float = 30.0,
+                 attempts: int = 2, backoff_s: float = 1.0, cooldown_s: float = float("inf"),
                  say: Callable[[str], None] = lambda text: print(text, file=sys.stderr, flush=True), results_dir: Any = "<results_dir>"):
         import mlflow
 
@@ -139,8 +140,8 @@ class Tracker:
         # each call with backoff on top, and a server that is down must cost seconds, not minutes.
         # MLflow's "View run at <uri>" lines would print a password in the URI, once per run: the
         # console has our own line, with the URI redacted.
-        for var, value in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2"), ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1"),
-                           ("MLFLOW_HTTP_REQUEST_TIMEOUT", "15"), ("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")):
+        for var, value in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0"), ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1"),
+                           ("MLFLOW_HTTP_REQUEST_TIMEOUT", "10"), ("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")):
             os.environ.setdefault(var, value)
         self.enabled = enabled
         self.tracking_uri = tracking_uri or mlflow.get_tracking_uri()
@@ -188,7 +189,8 @@ class Tracker:
             self._down_since = time.monotonic()
             self.say(
                 f"mlautotune: warning: MLflow tracking at {redact_text(self.tracking_uri)} failed while {what} after {tries} attempts "
-                f"({_first_line(error)}). Tuning goes on and results stay on disk; tracking is retried every {self.cooldown_s:g} s. "
+                f"({_first_line(error)}). Tuning goes on untracked and results stay on disk"
+                + (f"; tracking is retried every {self.cooldown_s:g} s. " if self.cooldown_s != float("inf") else ". ") +
                 f"Fill the MLflow runs in later with `{HINT.format(results_dir=self.results_dir)}`."
             )
         return None
