@@ -44,12 +44,12 @@ def all_text_of_run(client: MlflowClient, run_id: str, tmp_path: Path) -> str:
 
 # ---------- redaction rules ----------
 
-@pytest.mark.parametrize("key", ["comet.api_key", "hf_token", "--hf_token", "MLFLOW_TRACKING_PASSWORD", "apiKey", "client_secret", "auth", "wandb.api_key"])
+@pytest.mark.parametrize("key", ["comet.api_key", "hf_token", "--hf_token", "MLFLOW_TRACKING_PASSWORD", "apiKey", "client_secret", "auth", "wandb.api_key", "DB_PWD"])
 def test_secret_keys(key):
     assert secret_key(key)
 
 
-@pytest.mark.parametrize("key", ["reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_max_live_parameters", "max_tokens", "tokenizer_name", "key", "author", "sub_group_size"])
+@pytest.mark.parametrize("key", ["reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_max_live_parameters", "max_tokens", "tokenizer_name", "key", "author", "sub_group_size", "PWD", "OLDPWD"])
 def test_zero_knobs_and_ordinary_keys_are_not_secrets(key):
     assert not secret_key(key)
 

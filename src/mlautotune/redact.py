@@ -27,6 +27,7 @@ _ASSIGN = re.compile(
 _BEARER = re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=\-]{8,}")
 
 
+NOT_SECRET = ("PWD", "OLDPWD")  # the shell's working folders, not a password however "pwd" reads
 _known: set = set()  # literal secret values seen in this process's inputs (masked wherever they appear)
 
 
@@ -56,6 +57,8 @@ def remember_secrets(*sources: Any) -> None:
 
 def secret_key(key: str) -> bool:
     """True if a key's name marks its value as a secret (`comet.api_key`, `hf_token`, `MLFLOW_TRACKING_PASSWORD`)."""
+    if str(key) in NOT_SECRET:
+        return False
     words = [w for w in _SPLIT.split(str(key).replace(".", " ").strip("-")) if w]
     words = [w.lower() for w in " ".join(words).split()]
     if any(w in _WORDS for w in words):
