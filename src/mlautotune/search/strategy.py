@@ -38,7 +38,7 @@ from mlautotune.search.lines import Lines
 from mlautotune.search.profiling import Profiling
 from mlautotune.search.repeats import Repeats
 from mlautotune.search.settings import SearchSettings
-from mlautotune.search.step import Step
+from mlautotune.search.step import Step, StrategyBase
 from mlautotune.inputs.space import TuningPlan
 
 __all__ = ["Step", "Strategy"]
@@ -47,7 +47,7 @@ MIN_MARGIN = 0.005
 MAX_INTERVAL = 0.10  # a wider interval (a spread with outliers) counts as this: leaders further apart are not near-ties
 
 
-class Strategy:
+class Strategy(StrategyBase):
     def __init__(self, plan: TuningPlan, settings: SearchSettings):
         self.plan, self.s = plan, settings
         self.chooser = make_chooser(settings.tuner_type, settings.seed, settings.sampler_target)
@@ -60,20 +60,7 @@ class Strategy:
         self.largest_run: Optional[int] = None  # the largest micro-batch that ran in any stage
         self.profiling, self.lines, self.knobs, self.repeats = Profiling(self), Lines(self), Knobs(self), Repeats(self)
 
-    def note(self, text: str) -> None:
-        if text not in self.notes:
-            self.notes.append(text)
-
-    def memory_model(self, runs: List[Measured]) -> Optional[MemoryModel]:
-        return self.profiling.memory_model(runs)
-
     # ---- what the steps share ----------------------------------------------------------------------
-    def score(self, value: Optional[float]) -> Optional[float]:
-        """Higher is better whatever the metric."""
-        if value is None:
-            return None
-        return value if self.s.maximize else 1.0 / max(value, 1e-12)
-
     def best(self, runs: List[Measured]) -> Optional[Measured]:
         ok = [m for m in runs if m.value is not None]
         return max(ok, key=lambda m: self.score(m.final_value)) if ok else None

@@ -36,7 +36,7 @@ from mlautotune.search.profiling import Profiling
 from mlautotune.search.samplers import make_chooser
 from mlautotune.search.samplers.baselines import grid_pick, random_pick
 from mlautotune.search.settings import SearchSettings
-from mlautotune.search.step import Step
+from mlautotune.search.step import Step, StrategyBase
 from mlautotune.search.stop import p_beaten
 
 MARGIN = 0.01  # the stop rule's "better by more than 1%"
@@ -44,7 +44,7 @@ BUILT_IN = ("mlautotune.search.samplers.ModelBasedSampler", "mlautotune.search.s
             "mlautotune.search.samplers.choosers.RandomChoice")
 
 
-class SearchV3:
+class SearchV3(StrategyBase):
     def __init__(self, plan: TuningPlan, settings: SearchSettings):
         self.plan, self.s = plan, settings
         target = (settings.sampler_target or {}).get("_target_")
@@ -64,19 +64,7 @@ class SearchV3:
         self._fitted: Tuple[Any, Optional[ThroughputModel]] = (None, None)
         self.all_runs: List[Measured] = []  # the study's runs at the last look
 
-    def note(self, text: str) -> None:
-        if text not in self.notes:
-            self.notes.append(text)
-
-    def memory_model(self, runs: List[Measured]) -> Optional[MemoryModel]:
-        return self.profiling.memory_model(runs)
-
-    # ---- the score, the model and the declared optimum -----------------------------------------------
-    def score(self, value: Optional[float]) -> Optional[float]:
-        if value is None:
-            return None
-        return value if self.s.maximize else 1.0 / max(value, 1e-12)
-
+    # ---- the model and the declared optimum -----------------------------------------------
     def model(self, runs: List[Measured]) -> Optional[ThroughputModel]:
         """The model fitted on every measurement of these runs (cached while they do not change)."""
         obs = [Observation(m.params, math.log(self.score(v)), _noise_var(m)) for m in runs if m.value is not None for v in m.values]
