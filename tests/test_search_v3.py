@@ -85,7 +85,7 @@ def test_the_memory_model_makes_the_size_at_the_edge_riskier_than_the_one_below(
     search = SearchV3(plan, settings())
     ledger = ledger_with(plan, runs)
     search.next(ledger)
-    from mlautotune.search.model import FitModel
+    from mlautotune.search.fits import FitModel
 
     fit = FitModel(plan, search.memory, ledger.order)
     p = {m: fit.p_fit({"stage": 0, "micro_batch": m, "gas": 1}) for m in (4, 8, 10, 13, 16)}

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Tuple
 
 from mlautotune.inputs.space import TuningPlan
 from mlautotune.search.candidates import stage_knob_combos, with_knobs
-from mlautotune.search.model import FitModel
+from mlautotune.search.fits import FitModel
 
 MIN_P_FIT = 0.02
 PER_DOUBLING = 4

@@ -1,4 +1,4 @@
-"""The search's probabilistic model: throughput with its uncertainty, and the risk of running out of memory.
+"""The search's probabilistic model of throughput, with its uncertainty.
 
 Throughput: a Gaussian process (scikit-learn) on the log of the score (higher is better whatever
 the metric), fitted on every measurement of every stage, re-measurements included, each as its own
@@ -9,27 +9,22 @@ measurements exist (fixed, broad ones before). A measurement's own interval, whe
 one, is added to its noise. A configuration nobody measured has the prior's mean and spread: an
 unseen stage is uncertain, not bad.
 
-Memory: P(fits) per configuration (`FitModel`). Memory grows with the micro-batch, so an ok run
-at the same stage and knobs at or above it says yes and an OOM at or below it says no. Otherwise
-the memory model's edge (memory.py: its fitted growth, corrected by every run and OOM) shifted by
-the knobs' buffers (DeepSpeed's bucket semantics, then corrected by the peaks measured with those
-knobs) is the prior: a logistic in log2(micro-batch / edge), wide while the per-sample growth
-rests on the prior slope.
+The risk of running out of memory is fits.py's.
 """
 
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from mlautotune.search.candidates import base_knobs, knobs_of_params
-from mlautotune.search.memory import MemoryModel
 
 MIN_FIT = 5  # measurements before the kernel's hyperparameters are fitted
+MAX_ITERATIONS = 30
 NOISE_FLOOR = 1e-4  # variance of one measurement in log units: at least 1% (sd)
 Z95 = 1.96
+IGNORED = 1e5  # the length scale of a column a kernel part does not look at
 
 
 _CONTROLLER = []
@@ -54,6 +49,15 @@ def _num(v: Any) -> float:
         return float(v)
     v = float(v)
     return math.log10(v) if v >= 1000 else v
+
+
+def _lbfgs(obj_func, initial_theta, bounds):
+    """The marginal likelihood's optimizer: L-BFGS-B from the starting hyperparameters, at most
+    MAX_ITERATIONS steps (started from the previous fit's, a few steps suffice)."""
+    from scipy.optimize import minimize
+
+    result = minimize(obj_func, initial_theta, method="L-BFGS-B", jac=True, bounds=bounds, options={"maxiter": MAX_ITERATIONS})
+    return result.x, result.fun
 
 
 class Encoder:
@@ -92,33 +96,60 @@ class Observation:
 class ThroughputModel:
     """A GP over log(score): `predict` gives the latent mean and sd; `joint` samples the latent values."""
 
-    def __init__(self, encoder: Encoder, seed: int = 0):
+    def __init__(self, encoder: Encoder, seed: int = 0, pressure: Optional[Callable[[Dict[str, Any]], float]] = None):
         self.encoder, self.seed = encoder, seed
+        self.pressure = pressure or (lambda p: 0.0)
         self.gp = None
         self.mean = 0.0
         self.prior_sd = 0.5
 
-    def fit(self, obs: List[Observation], kernel=None, mean: Optional[float] = None) -> "ThroughputModel":
-        """Fit on the observations; with `kernel` (and `mean`) given, those are kept, not fitted."""
+    def fit(self, obs: List[Observation], kernel=None, mean: Optional[float] = None, start=None) -> "ThroughputModel":
+        """Fit on the observations; with `kernel` (and `mean`) given, those are kept, not fitted; with
+        `start` (an earlier fit's kernel), its hyperparameters are where the fit starts."""
         from sklearn.gaussian_process import GaussianProcessRegressor
-        from sklearn.gaussian_process.kernels import ConstantKernel, Matern, WhiteKernel
+        from sklearn.gaussian_process.kernels import WhiteKernel
 
         self.obs = list(obs)
         y = np.array([o.log_score for o in obs], dtype=float)
         self.mean = mean if mean is not None else (float(y.mean()) if len(y) else 0.0)
         self.prior_sd = max(float(y.std()) if len(y) > 1 else 0.0, 0.25)  # before data say otherwise, configurations differ by tens of percent
-        X = self.encoder.rows([o.params for o in obs])
+        X = self.X([o.params for o in obs])
         fixed = kernel is not None or len(obs) < MIN_FIT
         if kernel is None:
-            lengths = [1.0] * 4 + [2.0, 2.0] + [1.0] * (X.shape[1] - 6)
-            kernel = (ConstantKernel(self.prior_sd**2, (1e-4, 4.0)) * Matern(lengths, (0.3, 30.0), nu=2.5)
-                      + WhiteKernel(1e-3, (NOISE_FLOOR, 0.05)))
+            kernel = start if start is not None else self.kernel_of(X.shape[1]) + WhiteKernel(1e-3, (NOISE_FLOOR, 0.05))
         alpha = np.array([max(o.noise_var, 0.0) for o in obs]) + 1e-8
-        self.gp = GaussianProcessRegressor(kernel, alpha=alpha, optimizer=None if fixed else "fmin_l_bfgs_b", random_state=self.seed)
+        self.gp = GaussianProcessRegressor(kernel, alpha=alpha, optimizer=None if fixed else _lbfgs, random_state=self.seed)
         with warnings.catch_warnings(), one_thread():
             warnings.simplefilter("ignore")  # a hyperparameter at its bound is fine here
             self.gp.fit(X, y - self.mean)
         return self
+
+    def X(self, params: Sequence[Dict[str, Any]]) -> np.ndarray:
+        """The inputs: the encoder's columns, then the memory pressure (the predicted peak over the limit)."""
+        pressure = np.array([[self.pressure(p)] for p in params], dtype=float).reshape(len(params), 1)
+        return np.hstack([self.encoder.rows(params), pressure])
+
+    def kernel_of(self, width: int):
+        """Two parts that add up (log throughput = what the stage, sizes and memory pressure give + what the
+        knobs give, each with its own amplitude and ARD length scales), so that a knob's effect measured at
+        one micro-batch carries to the others; the stage enters both, so knobs may act differently by stage.
+        A column a part ignores has a fixed, huge length scale."""
+        from sklearn.gaussian_process.kernels import ConstantKernel, Matern
+
+        knobs = width - 7
+        off = (IGNORED, IGNORED * (1 + 1e-6))
+
+        def matern(lengths, bounds):
+            return Matern(lengths, bounds, nu=2.5)
+
+        main = matern([1.0] * 4 + [2.0, 2.0] + [IGNORED] * knobs + [0.3],
+                      [(0.3, 30.0)] * 4 + [(0.3, 30.0)] * 2 + [off] * knobs + [(0.05, 30.0)])
+        amplitude = ConstantKernel(self.prior_sd**2, (1e-4, 4.0))
+        if not knobs:
+            return amplitude * main
+        knob = matern([1.0] * 4 + [IGNORED] * 2 + [1.0] * knobs + [IGNORED],
+                      [(0.3, 30.0)] * 4 + [off] * 2 + [(0.3, 30.0)] * knobs + [off])
+        return amplitude * main + ConstantKernel((self.prior_sd / 2) ** 2, (1e-5, 1.0)) * knob
 
     @property
     def kernel(self):
@@ -144,11 +175,11 @@ class ThroughputModel:
     def predict(self, params: Sequence[Dict[str, Any]]) -> Tuple[np.ndarray, np.ndarray]:
         if not params:
             return np.zeros(0), np.zeros(0)
-        return self.latent(self.encoder.rows(params))
+        return self.latent(self.X(params))
 
     def joint(self, params: Sequence[Dict[str, Any]], n: int, rng: np.random.RandomState) -> np.ndarray:
         """n joint draws of the latent log scores (n x len(params))."""
-        mu, cov = self.latent(self.encoder.rows(params), return_cov=True)
+        mu, cov = self.latent(self.X(params), return_cov=True)
         cov = (cov + cov.T) / 2
         jitter = 1e-9
         while True:
@@ -166,140 +197,4 @@ class ThroughputModel:
             return self
         mu, _ = self.predict(params)
         extra = [Observation(dict(p), float(m)) for p, m in zip(params, mu)]
-        return ThroughputModel(self.encoder, self.seed).fit(self.obs + extra, kernel=self.gp.kernel_, mean=self.mean)
-
-
-# ---- memory ---------------------------------------------------------------------------------------
-KNOWN_SLOPE_SCALE = 0.15  # log2 units: the edge predicted from a measured per-sample growth
-PRIOR_SLOPE_SCALE = 0.6  # ... from the prior slope (one micro-batch size measured)
-BUFFER_KNOBS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size")
-
-
-def buffer_bytes(stage: int, knobs: Dict[str, Any], element_bytes: int) -> float:
-    """DeepSpeed's communication buffers that the knobs size: the reduction bucket (two with
-    overlap_comm), the all-gather bucket of stages 1-2 and stage 3's prefetch bucket."""
-    total = float(knobs.get("reduce_bucket_size", 5e8)) * (2 if knobs.get("overlap_comm") else 1)
-    if stage in (1, 2):
-        total += float(knobs.get("allgather_bucket_size", 5e8))
-    if stage == 3:
-        total += float(knobs.get("stage3_prefetch_bucket_size", 5e7))
-    return total * element_bytes
-
-
-class FitModel:
-    """P(fits) for configurations, from the memory model, the knobs' buffers and every run and OOM."""
-
-    def __init__(self, plan, memory: Optional[MemoryModel], runs: Sequence[Any]):
-        self.plan, self.memory = plan, memory
-        self.element_bytes = 2 if memory is not None and memory.half else 4
-        self.slope_measured = memory is not None and memory.per_sample_measured()
-        self.ok_at: Dict[tuple, int] = {}  # stage+knobs -> largest micro-batch that ran
-        self.oom_at: Dict[tuple, int] = {}  # stage+knobs -> smallest micro-batch that ran out of memory
-        self.residual: Dict[tuple, List[float]] = {}  # stage+knobs -> measured peak minus the prior's prediction
-        self.ooms: List[Tuple[int, float, int]] = []  # (stage, buffer bytes, micro-batch) of every OOM
-        for m in runs:
-            key = _group(m.params)
-            mbs = m.params["micro_batch"]
-            if m.result.status == "ok":
-                self.ok_at[key] = max(self.ok_at.get(key, 0), mbs)
-                peak = m.result.metrics.get("peak_memory_bytes")
-                if peak and memory is not None and memory.fixed is not None:
-                    self.residual.setdefault(key, []).append(float(peak) - self._prior_peak(m.params))
-            elif m.result.status == "oom":
-                self.oom_at[key] = min(self.oom_at.get(key, mbs), mbs)
-                self.ooms.append((m.params["stage"], self._buffers(m.params), mbs))
-        self.largest_ok = max([0, *self.ok_at.values()])
-        self._edges: Dict[tuple, Optional[float]] = {}
-        self._curves: Dict[tuple, tuple] = {}
-        self._bounds: Dict[int, Tuple[float, float]] = {}
-        self.outcomes = [(m.params, m.result.status) for m in runs if m.result.status in ("ok", "oom")]
-
-    def _buffers(self, params: Dict[str, Any]) -> float:
-        return buffer_bytes(params["stage"], knobs_of_params(params), self.element_bytes)
-
-    def _shift(self, params: Dict[str, Any]) -> float:
-        stage = params["stage"]
-        knobs = knobs_of_params(params)
-        return buffer_bytes(stage, knobs, self.element_bytes) - buffer_bytes(stage, base_knobs(self.plan, stage), self.element_bytes)
-
-    def _prior_peak(self, params: Dict[str, Any]) -> float:
-        return self.memory.predict(params["stage"], params["micro_batch"]) + self._shift(params)
-
-    def edge(self, params: Dict[str, Any]) -> Optional[float]:
-        """The largest micro-batch predicted to fit with these knobs (None: no memory model or no limit)."""
-        key = _group(params)
-        if key not in self._edges:
-            self._edges[key] = self._edge(params)
-        return self._edges[key]
-
-    def _edge(self, params: Dict[str, Any]) -> Optional[float]:
-        """The stage's default-knob edge (the memory model's, kept between the sizes that ran and those
-        that ran out of memory in this stage, with any knobs) less this knob set's extra memory in samples."""
-        mem = self.memory
-        if mem is None or mem.limit is None or mem.fixed is None or not mem.per_sample:
-            return None
-        stage = params["stage"]
-        edge = float(mem.max_micro_batch(stage))
-        lo, hi = self.stage_bounds(stage)
-        edge = min(max(edge, lo), hi - 1)
-        edge -= self._offset(params)
-        if not self.slope_measured:
-            edge = min(edge, 4 * max(self.largest_ok, 1))
-        return float(edge)
-
-    def _offset(self, params: Dict[str, Any]) -> float:
-        """This knob set's memory above the stage's default knobs, in samples (buffers, then the peaks measured with it)."""
-        if knobs_of_params(params) == base_knobs(self.plan, params["stage"]):
-            return 0.0
-        extra = self._shift(params) + float(np.mean(self.residual.get(_group(params), [0.0])))
-        return extra / self.memory.per_sample
-
-    def stage_bounds(self, stage: int) -> Tuple[float, float]:
-        """(largest, smallest) default-knob-equivalent micro-batch seen to fit / to run out of memory in the
-        stage, or in a stage that keeps at least as much per rank (an OOM) / no more (a fit)."""
-        if stage not in self._bounds:
-            lo, hi = 0.0, math.inf
-            states = self.memory.model_states
-            for params, status in self.outcomes:
-                u = params["micro_batch"] + self._offset(params)
-                if status == "ok" and states(stage) <= states(params["stage"]):  # fits where it keeps no more per rank
-                    lo = max(lo, u)
-                elif status == "oom" and states(stage) >= states(params["stage"]):  # and runs out where it keeps no less
-                    hi = min(hi, u)
-            self._bounds[stage] = (lo, max(hi, lo + 1))
-        return self._bounds[stage]
-
-    def p_fit(self, params: Dict[str, Any]) -> float:
-        return self.p_fits(params, [params["micro_batch"]])[0]
-
-    def p_fits(self, params: Dict[str, Any], sizes: Sequence[int]) -> List[float]:
-        """P(fits) of these params' stage and knobs at each micro-batch size."""
-        key = _group(params)
-        if key not in self._curves:
-            self._curves[key] = self._curve(params, key)
-        fits_up_to, fails_from, edge, scale = self._curves[key]
-        out = []
-        for mbs in sizes:
-            if mbs <= fits_up_to:
-                out.append(1.0)
-            elif mbs >= fails_from:
-                out.append(0.0)
-            elif edge is None:
-                out.append(0.9 if self.oom_at else 1.0)
-            elif edge < 1:
-                out.append(0.0 if self.slope_measured and edge <= 0 else 0.05)
-            else:
-                z = (math.log2(mbs) - math.log2(edge + 0.5)) / scale
-                out.append(1.0 / (1.0 + math.exp(min(max(z, -50.0), 50.0))))
-        return out
-
-    def _curve(self, params: Dict[str, Any], key: tuple) -> Tuple[int, float, Optional[float], float]:
-        """(largest size known to fit, smallest known not to, the predicted edge, the logistic's scale)."""
-        buffers = self._buffers(params)
-        fails = [at for stage, b, at in self.ooms if stage == params["stage"] and buffers >= b]  # an OOM with no more buffers
-        fails_from = min([self.oom_at.get(key, math.inf), *fails])
-        return self.ok_at.get(key, 0), fails_from, self.edge(params), KNOWN_SLOPE_SCALE if self.slope_measured else PRIOR_SLOPE_SCALE
-
-
-def _group(params: Dict[str, Any]) -> tuple:
-    return tuple(sorted((k, v) for k, v in params.items() if k not in ("micro_batch", "gas")))
+        return ThroughputModel(self.encoder, self.seed, self.pressure).fit(self.obs + extra, kernel=self.gp.kernel_, mean=self.mean)

@@ -31,7 +31,8 @@ from mlautotune.search.acquisition import gain, overlap, per_second, relative
 from mlautotune.search.candidates import params_key
 from mlautotune.search.ledger import Ledger, Measured
 from mlautotune.search.memory import MemoryModel
-from mlautotune.search.model import Z95, Encoder, FitModel, Observation, ThroughputModel
+from mlautotune.search.fits import FitModel
+from mlautotune.search.model import MIN_FIT, Z95, Encoder, Observation, ThroughputModel
 from mlautotune.search.profiling import Profiling
 from mlautotune.search.samplers import make_chooser
 from mlautotune.search.samplers.baselines import grid_pick, random_pick
@@ -62,15 +63,26 @@ class SearchV3(StrategyBase):
                 values.setdefault(k, []).extend(vs)
         self.encoder = Encoder(values)
         self._fitted: Tuple[Any, Optional[ThroughputModel]] = (None, None)
+        self._fits: Tuple[Any, Optional[FitModel]] = (None, None)
         self.all_runs: List[Measured] = []  # the study's runs at the last look
 
     # ---- the model and the declared optimum -----------------------------------------------
+    def fit_model(self, runs: List[Measured]) -> FitModel:
+        """P(fits) from these runs (cached while they do not change)."""
+        key = tuple((m.trial_number, m.result.status) for m in runs)
+        if self._fits[0] != key:
+            self._fits = (key, FitModel(self.plan, self.memory_model(runs), runs, self.s.seed))
+        return self._fits[1]
+
     def model(self, runs: List[Measured]) -> Optional[ThroughputModel]:
-        """The model fitted on every measurement of these runs (cached while they do not change)."""
+        """The model fitted on every measurement of these runs (cached while they do not change); its
+        memory-pressure input comes from the same runs' P(fits) model."""
+        fill = self.fit_model(runs).fill
         obs = [Observation(m.params, math.log(self.score(v)), _noise_var(m)) for m in runs if m.value is not None for v in m.values]
-        key = tuple((params_key(o.params), o.log_score) for o in obs)
+        key = tuple((params_key(o.params), o.log_score, fill(o.params)) for o in obs)
         if self._fitted[0] != key:
-            self._fitted = (key, ThroughputModel(self.encoder, self.s.seed).fit(obs) if obs else None)
+            start = self._fitted[1].kernel if self._fitted[1] is not None and len(obs) > MIN_FIT else None
+            self._fitted = (key, ThroughputModel(self.encoder, self.s.seed, fill).fit(obs, start=start) if obs else None)
         return self._fitted[1]
 
     def ranked(self, runs: List[Measured]) -> List[Tuple[Measured, float, float]]:
@@ -108,7 +120,7 @@ class SearchV3(StrategyBase):
         if step is not None or not any(m.ok for m in runs):
             return step
         stages = [s for s in self.plan.stages if self.profiling.feasible(s)]
-        fit = FitModel(self.plan, self.memory, runs)
+        fit = self.fit_model(runs)
         space = [(p, q) for p, q in constrained.candidates(self.plan, stages, fit) if params_key(p) not in taken]
         untried, p_fit = [p for p, _ in space], [q for _, q in space]
         if self.kind != "model_based":

@@ -1,0 +1,195 @@
+"""P(fits): the probability that a configuration runs without running out of memory.
+
+One posterior over how the memory model (memory.py) is wrong, corrected by every run and OOM of
+every stage and knob set. Each of PARTICLES draws is a way the per-rank peak could really be:
+
+    peak = the memory model's prediction (its fitted fixed part, the ZeRO model states, its
+           fitted growth per sample)
+           + (s - the fitted growth) x (micro-batch - the stage's measured sizes' mean)
+           + b x the knobs' buffers above the stage's default knobs (DeepSpeed's bucket semantics)
+           + d, the stage's own error
+
+s, the growth per sample: mostly near the fitted one (tight once two sizes of a stage are
+measured, wide on the prior slope), and for a share of the draws anywhere over three decades: the
+model may simply be wrong, and a run of OOMs must then move the edge by more than one size.
+b: how far the buffer formula is off (log-normal around 1). d: small for a stage that ran with its
+default knobs, larger for a stage that did not (ZeRO's states by stage are a formula, not a
+measurement).
+
+Every result weighs the draws: a measured peak by how near the draw predicts it, an OOM by the
+probability that the draw is over the limit there, a run without a peak by the probability that it
+is under. P(fits) of a configuration is the weighted share of draws under the limit (each draw's
+limit spread by ALLOCATOR_SLACK: the allocator's soft edge). Two facts stay hard: a knob set that ran at a micro-batch fits every
+smaller one, and an OOM at a micro-batch means every larger one of the stage with no fewer buffers
+runs out too.
+"""
+
+import math
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from mlautotune.search.candidates import base_knobs, knobs_of_params
+from mlautotune.search.memory import MemoryModel
+
+PARTICLES = 2048
+WRONG_SHARE = 0.25  # draws of the growth per sample that ignore the fitted value
+WRONG_DECADES = 1.5  # ... spread log-uniformly this many decades each side of it
+MEASURED_SLOPE_SD = 0.25  # log sd of the growth per sample once measured at two sizes of a stage
+PRIOR_SLOPE_SD = 1.0  # ... while it rests on the prior slope
+BUFFER_SD = 0.5  # log sd of the buffer formula's factor
+RAN_STAGE_SD = 0.02  # a stage's own error, as a share of the limit, once it ran with default knobs
+UNRUN_STAGE_SD = 0.04  # ... before, plus STATES_SD of its model states' difference from a stage that ran
+STATES_SD = 0.25
+PEAK_SD = 0.03  # a measured peak's error, as a share of it
+ALLOCATOR_SLACK = 0.02  # the soft edge: the peak's spread at the limit, as a share of it
+BUFFER_KNOBS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size")
+
+
+def buffer_bytes(stage: int, knobs: Dict[str, Any], element_bytes: int) -> float:
+    """DeepSpeed's communication buffers that the knobs size: the reduction bucket (two with
+    overlap_comm), the all-gather bucket of stages 1-2 and stage 3's prefetch bucket."""
+    total = float(knobs.get("reduce_bucket_size", 5e8)) * (2 if knobs.get("overlap_comm") else 1)
+    if stage in (1, 2):
+        total += float(knobs.get("allgather_bucket_size", 5e8))
+    if stage == 3:
+        total += float(knobs.get("stage3_prefetch_bucket_size", 5e7))
+    return total * element_bytes
+
+
+def _log_norm_cdf(z: np.ndarray) -> np.ndarray:
+    from scipy.special import log_ndtr
+
+    return log_ndtr(z)
+
+
+class FitModel:
+    """P(fits) for configurations: the memory model as the prior, every run and OOM as evidence."""
+
+    def __init__(self, plan, memory: Optional[MemoryModel], runs: Sequence[Any], seed: int = 0):
+        self.plan, self.memory = plan, memory
+        self.element_bytes = 2 if memory is not None and memory.half else 4
+        self.ok_at: Dict[tuple, int] = {}  # stage+knobs -> largest micro-batch that ran
+        self.oom_at: Dict[tuple, int] = {}  # stage+knobs -> smallest micro-batch that ran out of memory
+        self.ooms: List[Tuple[int, float, int]] = []  # (stage, buffer bytes, micro-batch) of every OOM
+        outcomes = []
+        for m in runs:
+            key, mbs = group(m.params), m.params["micro_batch"]
+            if m.result.status == "ok":
+                self.ok_at[key] = max(self.ok_at.get(key, 0), mbs)
+                outcomes.append((m.params, "ok", m.result.metrics.get("peak_memory_bytes")))
+            elif m.result.status == "oom":
+                self.oom_at[key] = min(self.oom_at.get(key, mbs), mbs)
+                self.ooms.append((m.params["stage"], self._buffers(m.params), mbs))
+                outcomes.append((m.params, "oom", None))
+        self.limit = memory.limit if memory is not None else None
+        self.usable = memory is not None and self.limit is not None and memory.fixed is not None
+        self._curves: Dict[tuple, tuple] = {}
+        self._edges: Dict[tuple, Optional[float]] = {}
+        self._fills: Dict[tuple, float] = {}
+        if self.usable:
+            self._draw(np.random.RandomState(seed % 2**32))
+            self._weigh(outcomes)
+
+    # ---- the posterior ---------------------------------------------------------------------------
+    def _draw(self, rng: np.random.RandomState) -> None:
+        mem, n = self.memory, PARTICLES
+        self.slope = max(mem.per_sample or 0.0, 1.0)
+        sd = MEASURED_SLOPE_SD if mem.per_sample_measured() else PRIOR_SLOPE_SD
+        near = self.slope * np.exp(sd * rng.standard_normal(n))
+        wrong = self.slope * 10 ** rng.uniform(-WRONG_DECADES, WRONG_DECADES, n)
+        self.s = np.where(rng.random_sample(n) < WRONG_SHARE, wrong, near)
+        self.b = np.exp(BUFFER_SD * rng.standard_normal(n))
+        ran = {st for st, _, _, oom in mem.points if not oom}
+        self.anchor: Dict[int, float] = {}
+        self.d: Dict[int, np.ndarray] = {}
+        for stage in range(4):
+            own = [m for st, m, _, oom in mem.points if st == stage and not oom]
+            near_stage = min(ran, key=lambda r: (abs(r - stage), -r)) if ran else stage
+            sizes = own or [m for st, m, _, oom in mem.points if st == near_stage and not oom] or [1]
+            self.anchor[stage] = float(np.mean(sizes))
+            spread = RAN_STAGE_SD * self.limit if own else UNRUN_STAGE_SD * self.limit + STATES_SD * abs(
+                mem.model_states(stage) - mem.model_states(near_stage))
+            self.d[stage] = spread * rng.standard_normal(n)
+        self.edge_bytes = self.limit * (1.0 + ALLOCATOR_SLACK * rng.standard_normal(n))  # each draw's soft edge
+        self.log_w = np.zeros(n)
+
+    def peaks(self, params: Dict[str, Any], sizes: Sequence[int]) -> np.ndarray:
+        """Each draw's peak (bytes) at each size: len(sizes) x PARTICLES."""
+        stage = params["stage"]
+        m = np.asarray(sizes, dtype=float)[:, None]
+        base = np.array([self.memory.predict(stage, int(x)) for x in sizes], dtype=float)[:, None]
+        return base + (self.s - self.slope) * (m - self.anchor[stage]) + self.b * self._shift(params) + self.d[stage]
+
+    def _weigh(self, outcomes) -> None:
+        soft = ALLOCATOR_SLACK * self.limit
+        for params, status, peak in outcomes:
+            pred = self.peaks(params, [params["micro_batch"]])[0]
+            if status == "oom":
+                self.log_w += _log_norm_cdf((pred - self.limit) / soft)
+            elif peak:
+                self.log_w += -0.5 * ((pred - float(peak)) / (PEAK_SD * float(peak))) ** 2
+            else:
+                self.log_w += _log_norm_cdf((self.limit - pred) / soft)
+        w = np.exp(self.log_w - self.log_w.max())
+        self.w = w / w.sum()
+
+    def effective_draws(self) -> float:
+        return float(1.0 / np.sum(self.w**2)) if self.usable else 0.0
+
+    # ---- what the search asks --------------------------------------------------------------------
+    def _buffers(self, params: Dict[str, Any]) -> float:
+        return buffer_bytes(params["stage"], knobs_of_params(params), self.element_bytes)
+
+    def _shift(self, params: Dict[str, Any]) -> float:
+        stage = params["stage"]
+        return self._buffers(params) - buffer_bytes(stage, base_knobs(self.plan, stage), self.element_bytes)
+
+    def edge(self, params: Dict[str, Any]) -> Optional[float]:
+        """The largest micro-batch that fits with these knobs, the posterior median (None: no memory model or no limit)."""
+        key = group(params)
+        if key not in self._edges:
+            self._edges[key] = self._edge(params)
+        return self._edges[key]
+
+    def _edge(self, params: Dict[str, Any]) -> Optional[float]:
+        if not self.usable:
+            return None
+        stage = params["stage"]
+        at = self.anchor[stage]
+        room = self.limit - self.peaks(params, [max(1, int(round(at)))])[0]
+        edges = max(1, int(round(at))) + room / np.maximum(self.s, 1.0)
+        order = np.argsort(edges)
+        cdf = np.cumsum(self.w[order])
+        return float(max(edges[order][np.searchsorted(cdf, 0.5)], 0.0))
+
+    def fill(self, params: Dict[str, Any]) -> float:
+        """The posterior mean of the peak over the limit (0 without a memory model): how full memory is."""
+        if not self.usable:
+            return 0.0
+        key = (group(params), params["micro_batch"])
+        if key not in self._fills:
+            self._fills[key] = float(min(max(self.w @ self.peaks(params, [params["micro_batch"]])[0] / self.limit, 0.0), 1.5))
+        return self._fills[key]
+
+    def p_fit(self, params: Dict[str, Any]) -> float:
+        return self.p_fits(params, [params["micro_batch"]])[0]
+
+    def p_fits(self, params: Dict[str, Any], sizes: Sequence[int]) -> List[float]:
+        """P(fits) of these params' stage and knobs at each micro-batch size."""
+        key = group(params)
+        if key not in self._curves:
+            buffers = self._buffers(params)
+            fails = [at for stage, b, at in self.ooms if stage == params["stage"] and buffers >= b]  # an OOM with no more buffers
+            self._curves[key] = (self.ok_at.get(key, 0), min([self.oom_at.get(key, math.inf), *fails]))
+        fits_up_to, fails_from = self._curves[key]
+        if self.usable:
+            p = (self.peaks(params, sizes) <= self.edge_bytes) @ self.w
+        else:
+            p = np.full(len(sizes), 0.9 if self.ooms else 1.0)
+        return [1.0 if mbs <= fits_up_to else 0.0 if mbs >= fails_from else float(x) for mbs, x in zip(sizes, p)]
+
+
+def group(params: Dict[str, Any]) -> tuple:
+    """The stage and knobs of a configuration: what memory depends on besides the micro-batch."""
+    return tuple(sorted((k, v) for k, v in params.items() if k not in ("micro_batch", "gas")))
