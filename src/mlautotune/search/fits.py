@@ -1,7 +1,7 @@
 """P(fits): the probability that a configuration runs without running out of memory.
 
 One posterior over how the memory model (memory.py) is wrong, corrected by every run and OOM of
-every stage and knob set. Each of PARTICLES draws is a way the per-rank peak could really be:
+every stage and knob set. Each draw is a way the per-rank peak could really be:
 
     peak = the memory model's prediction (its fitted fixed part, the ZeRO model states, its
            fitted growth per sample)
@@ -9,17 +9,17 @@ every stage and knob set. Each of PARTICLES draws is a way the per-rank peak cou
            + b x the knobs' buffers above the stage's default knobs (DeepSpeed's bucket semantics)
            + d, the stage's own error
 
-s, the growth per sample: mostly near the fitted one (tight once two sizes of a stage are
-measured, wide on the prior slope), and for a share of the draws anywhere over three decades: the
-model may simply be wrong, and a run of OOMs must then move the edge by more than one size.
-b: how far the buffer formula is off (log-normal around 1). d: small for a stage that ran with its
-default knobs, larger for a stage that did not (ZeRO's states by stage are a formula, not a
-measurement).
-
-Every result weighs the draws: a measured peak by how near the draw predicts it, an OOM by the
-probability that the draw is over the limit there, a run without a peak by the probability that it
-is under. P(fits) of a configuration is the weighted share of draws under the limit (each draw's
-limit spread by ALLOCATOR_SLACK: the allocator's soft edge). Two facts stay hard: a knob set that ran at a micro-batch fits every
+s, the growth per sample, on a grid over seven decades: its prior is mostly near the fitted growth
+(tight once two sizes of a stage are measured, wide on the prior slope), and WRONG_SHARE of it is
+spread over the whole grid: the model may simply be wrong, and a run of OOMs must then move the
+edge by more than one size. b: how far the buffer formula is off (around 1). d: small for a stage
+that ran with its default knobs, larger for one that did not (ZeRO's states by stage are a formula,
+not a measurement). Given s, the peak is linear in (d, b): every measured peak, of any knob set, is
+taken in exactly (a Gaussian update), and weighs s by its marginal likelihood. Then every OOM weighs
+the draws by the probability that the draw is over the limit there, and every run without a peak
+by the probability that it is under. P(fits) of a configuration is the weighted share of draws
+under the limit (each draw's limit spread by ALLOCATOR_SLACK: the allocator's soft edge).
+Two facts stay hard: a knob set that ran at a micro-batch fits every
 smaller one, and an OOM at a micro-batch means every larger one of the stage with no fewer buffers
 runs out too.
 """
@@ -32,15 +32,15 @@ import numpy as np
 from mlautotune.search.candidates import base_knobs, knobs_of_params
 from mlautotune.search.memory import MemoryModel
 
-PARTICLES = 2048
-WRONG_SHARE = 0.25  # draws of the growth per sample that ignore the fitted value
-WRONG_DECADES = 1.5  # ... spread log-uniformly this many decades each side of it
+SLOPE_GRID = 128  # values of the growth per sample, log-spaced from 1e-7 of the limit to the limit
+DRAWS_PER_SLOPE = 16
+WRONG_SHARE = 0.25  # prior mass of the growth per sample spread over the whole grid, not near the fitted value
 MEASURED_SLOPE_SD = 0.25  # log sd of the growth per sample once measured at two sizes of a stage
 PRIOR_SLOPE_SD = 1.0  # ... while it rests on the prior slope
-BUFFER_SD = 0.5  # log sd of the buffer formula's factor
+BUFFER_SD = 0.5  # sd of the buffer formula's factor (around 1)
 RAN_STAGE_SD = 0.02  # a stage's own error, as a share of the limit, once it ran with default knobs
-UNRUN_STAGE_SD = 0.04  # ... before, plus STATES_SD of its model states' difference from a stage that ran
-STATES_SD = 0.25
+UNRUN_STAGE_SD = 0.05  # ... before, plus STATES_SD of its model states' difference from a stage that ran
+STATES_SD = 0.5
 PEAK_SD = 0.03  # a measured peak's error, as a share of it
 ALLOCATOR_SLACK = 0.02  # the soft edge: the peak's spread at the limit, as a share of it
 BUFFER_KNOBS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size")
@@ -88,51 +88,68 @@ class FitModel:
         self._edges: Dict[tuple, Optional[float]] = {}
         self._fills: Dict[tuple, float] = {}
         if self.usable:
-            self._draw(np.random.RandomState(seed % 2**32))
-            self._weigh(outcomes)
+            self._posterior(outcomes, np.random.RandomState(seed % 2**32))
 
     # ---- the posterior ---------------------------------------------------------------------------
-    def _draw(self, rng: np.random.RandomState) -> None:
-        mem, n = self.memory, PARTICLES
+    def _posterior(self, outcomes, rng: np.random.RandomState) -> None:
+        """Draws of (s, b, d) and their weights. Given s, the peak is linear in (d, b) with a Gaussian
+        prior: the measured peaks are taken in exactly (a Gaussian update per grid value of s, and its
+        marginal likelihood as the weight of s); OOMs and runs without a peak then weigh the draws."""
+        mem, limit = self.memory, self.limit
         self.slope = max(mem.per_sample or 0.0, 1.0)
+        grid = np.geomspace(limit * 1e-7, limit, SLOPE_GRID)
         sd = MEASURED_SLOPE_SD if mem.per_sample_measured() else PRIOR_SLOPE_SD
-        near = self.slope * np.exp(sd * rng.standard_normal(n))
-        wrong = self.slope * 10 ** rng.uniform(-WRONG_DECADES, WRONG_DECADES, n)
-        self.s = np.where(rng.random_sample(n) < WRONG_SHARE, wrong, near)
-        self.b = np.exp(BUFFER_SD * rng.standard_normal(n))
+        near = np.exp(-0.5 * (np.log(grid / self.slope) / sd) ** 2)
+        log_prior = np.log((1 - WRONG_SHARE) * near / near.sum() + WRONG_SHARE / len(grid))
         ran = {st for st, _, _, oom in mem.points if not oom}
+        spread = np.zeros(4)
         self.anchor: Dict[int, float] = {}
-        self.d: Dict[int, np.ndarray] = {}
         for stage in range(4):
             own = [m for st, m, _, oom in mem.points if st == stage and not oom]
             near_stage = min(ran, key=lambda r: (abs(r - stage), -r)) if ran else stage
             sizes = own or [m for st, m, _, oom in mem.points if st == near_stage and not oom] or [1]
             self.anchor[stage] = float(np.mean(sizes))
-            spread = RAN_STAGE_SD * self.limit if own else UNRUN_STAGE_SD * self.limit + STATES_SD * abs(
+            spread[stage] = RAN_STAGE_SD * limit if own else UNRUN_STAGE_SD * limit + STATES_SD * abs(
                 mem.model_states(stage) - mem.model_states(near_stage))
-            self.d[stage] = spread * rng.standard_normal(n)
-        self.edge_bytes = self.limit * (1.0 + ALLOCATOR_SLACK * rng.standard_normal(n))  # each draw's soft edge
-        self.log_w = np.zeros(n)
+        prior_mean = np.array([0.0, 0.0, 0.0, 0.0, 1.0])
+        prior_cov = np.diag(np.append(spread**2, BUFFER_SD**2))
+        measured = [(p, float(peak)) for p, status, peak in outcomes if status == "ok" and peak]
+        mean, cov = np.tile(prior_mean, (len(grid), 1)), prior_cov
+        if measured:
+            H = np.array([[1.0 if p["stage"] == st else 0.0 for st in range(4)] + [self._shift(p)] for p, _ in measured])
+            noise = np.diag([(PEAK_SD * peak) ** 2 for _, peak in measured])
+            gap = np.array([peak - mem.predict(p["stage"], p["micro_batch"]) for p, peak in measured])
+            lever = np.array([p["micro_batch"] - self.anchor[p["stage"]] for p, _ in measured])
+            resid = gap[None, :] - (grid - self.slope)[:, None] * lever[None, :]  # G x J: what (d, b) must explain
+            C = H @ prior_cov @ H.T + noise
+            off = resid - (H @ prior_mean)[None, :]
+            log_prior = log_prior - 0.5 * np.einsum("gj,gj->g", off, np.linalg.solve(C, off.T).T)
+            gain = prior_cov @ H.T @ np.linalg.inv(C)
+            mean = prior_mean[None, :] + off @ gain.T
+            cov = prior_cov - gain @ H @ prior_cov
+        cov = (cov + cov.T) / 2
+        root = np.linalg.cholesky(cov + np.diag(1e-9 * np.maximum(np.diag(cov), 1e-12)))  # d in bytes, b a factor: jitter per element
+        theta = np.repeat(mean, DRAWS_PER_SLOPE, axis=0) + rng.standard_normal((len(grid) * DRAWS_PER_SLOPE, 5)) @ root.T
+        self.s = np.repeat(grid, DRAWS_PER_SLOPE)
+        self.d = {stage: theta[:, stage] for stage in range(4)}
+        self.b = theta[:, 4]
+        self.edge_bytes = limit * (1.0 + ALLOCATOR_SLACK * rng.standard_normal(len(self.s)))  # each draw's soft edge
+        log_w = np.repeat(log_prior, DRAWS_PER_SLOPE)
+        soft = ALLOCATOR_SLACK * limit
+        for params, status, peak in outcomes:
+            if status == "ok" and peak:
+                continue
+            pred = self.peaks(params, [params["micro_batch"]])[0]
+            log_w += _log_norm_cdf((pred - limit) / soft) if status == "oom" else _log_norm_cdf((limit - pred) / soft)
+        w = np.exp(log_w - log_w.max())
+        self.w = w / w.sum()
 
     def peaks(self, params: Dict[str, Any], sizes: Sequence[int]) -> np.ndarray:
-        """Each draw's peak (bytes) at each size: len(sizes) x PARTICLES."""
+        """Each draw's peak (bytes) at each size: len(sizes) x draws."""
         stage = params["stage"]
         m = np.asarray(sizes, dtype=float)[:, None]
         base = np.array([self.memory.predict(stage, int(x)) for x in sizes], dtype=float)[:, None]
         return base + (self.s - self.slope) * (m - self.anchor[stage]) + self.b * self._shift(params) + self.d[stage]
-
-    def _weigh(self, outcomes) -> None:
-        soft = ALLOCATOR_SLACK * self.limit
-        for params, status, peak in outcomes:
-            pred = self.peaks(params, [params["micro_batch"]])[0]
-            if status == "oom":
-                self.log_w += _log_norm_cdf((pred - self.limit) / soft)
-            elif peak:
-                self.log_w += -0.5 * ((pred - float(peak)) / (PEAK_SD * float(peak))) ** 2
-            else:
-                self.log_w += _log_norm_cdf((self.limit - pred) / soft)
-        w = np.exp(self.log_w - self.log_w.max())
-        self.w = w / w.sum()
 
     def effective_draws(self) -> float:
         return float(1.0 / np.sum(self.w**2)) if self.usable else 0.0
