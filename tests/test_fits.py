@@ -78,7 +78,7 @@ def test_unforeseen_ooms_move_the_edge_by_more_than_one_size_each():
     size far below them must become more likely to fit than the size just below, and no size near them
     may stay near-certain."""
     one = fit_of(PROFILED + [(params(512), result("oom"))])
-    two = fit_of(PROFILED + [(params(512), result("oom")), (params(431, rb=50_000_000), result("oom"))])
+    two = fit_of(PROFILED + [(params(512), result("oom")), (params(431), result("oom"))])
     p_one, p_two = one.p_fits(params(1, oc=True), [362]), two.p_fits(params(1, oc=True), [362, 128])
     assert p_two[0] < p_one[0] and p_two[0] < 0.8
     assert p_two[1] > p_two[0] and p_two[1] > 0.5

@@ -24,6 +24,7 @@ MIN_FIT = 5  # measurements before the kernel's hyperparameters are fitted
 MAX_ITERATIONS = 30
 NOISE_FLOOR = 1e-4  # variance of one measurement in log units: at least 1% (sd)
 Z95 = 1.96
+KNOB_FLOOR = 0.1  # the knobs' part keeps at least this sd (log units): a few runs cannot say that knobs do not matter
 IGNORED = 1e5  # the length scale of a column a kernel part does not look at
 
 
@@ -149,7 +150,7 @@ class ThroughputModel:
             return amplitude * main
         knob = matern([1.0] * 4 + [IGNORED] * 2 + [1.0] * knobs + [IGNORED],
                       [(0.3, 30.0)] * 4 + [off] * 2 + [(0.3, 30.0)] * knobs + [off])
-        return amplitude * main + ConstantKernel((self.prior_sd / 2) ** 2, (1e-5, 1.0)) * knob
+        return amplitude * main + ConstantKernel(max((self.prior_sd / 2) ** 2, KNOB_FLOOR**2), (KNOB_FLOOR**2, 1.0)) * knob
 
     @property
     def kernel(self):
