@@ -94,6 +94,7 @@ def test_no_estimate_names_what_is_missing(planned, tokens, needs):
 
 def test_duration_reads_at_every_size():
     assert duration(31.25) == "31.25 h" and duration(0.5) == "30 min" and duration(1 / 3600) == "1 s" and duration(-2.0) == "-2 h"
+    assert duration(1.5, "min") == "90 min" and duration(12345.6) == "12,346 h"
 
 
 def test_planned_length_from_the_keys_then_a_trainer_scripts_flags():

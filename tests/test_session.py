@@ -394,3 +394,43 @@ def test_a_full_disk_ends_the_session_failed_with_the_reason(tmp_path, study_the
         assert "tuning_space" in parent.data.tags["mlflow.note.content"]  # the partial summary, kept in MLflow
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_the_full_run_estimate_in_the_summary_console_and_parent(tmp_path):
+    """planned_tokens / --seq_len 32 gives the samples; two experiments (the ds_config as given,
+    z0_gas1_tmbspg1, and the profiling's micro-batch 4): each one's time is samples / its measured
+    throughput, with its own interval, and the hours saved are the difference."""
+    import re
+
+    samples = 36000
+    config = write_config(tmp_path / "ds.json", 1, 0, tuner_num_trials=2, planned_tokens=samples * 32)
+    code, out = finish(cli(tmp_path, f"config={config}"))
+    assert code == 0, out
+    results = tmp_path / "autotuning_results"
+    (parent,) = runs(tmp_path, "session")
+    children = {r.data.tags["experiment"]: r for r in runs(tmp_path) if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+    assert set(children) == {"z0_gas1_tmbspg1", "z0_gas1_tmbspg4"}
+    best, start = children[parent.data.tags["best_experiment"]], children["z0_gas1_tmbspg1"]
+    hours = lambda child: samples / child.data.metrics["throughput"] / 3600
+    m = parent.data.metrics
+    assert m["estimate.planned_samples"] == samples and parent.data.params["autotuning.planned_tokens"] == str(samples * 32)
+    assert m["estimate.optimum_hours"] == pytest.approx(hours(best))
+    assert m["estimate.optimum_hours_high"] == pytest.approx(hours(best) * (1 + best.data.metrics["interval_rel"]))
+    assert m["estimate.optimum_gpu_hours"] == pytest.approx(2 * hours(best))  # two ranks
+    assert m["estimate.start_hours"] == pytest.approx(hours(start))
+    assert m["estimate.start_hours_low"] == pytest.approx(hours(start) * (1 - start.data.metrics["interval_rel"]))
+    assert m["estimate.saved_hours"] == pytest.approx(hours(start) - hours(best), abs=1e-12)
+    assert m["estimate.saved_hours_low"] <= m["estimate.saved_hours"] <= m["estimate.saved_hours_high"]
+
+    summary = (results / "summary.txt").read_text()
+    assert f"Full-run estimate: {samples * 32:,} tokens (autotuning.planned_tokens) / 32 tokens per sample (--seq_len) = {samples:,} samples." in summary
+    unit = {"h": 1, "min": 1 / 60, "s": 1 / 3600}
+    for label, child in (("At the optimum", best), ("At your starting configuration", start)):
+        found = re.search(rf"{label} {child.data.tags['experiment']}: ([0-9.,]+) (h|min|s) \(", summary)
+        assert found, summary
+        assert float(found.group(1).replace(",", "")) * unit[found.group(2)] == pytest.approx(hours(child), rel=1e-3)  # 4 significant digits
+    assert "Full-run estimate:" in out and "Saved:" in out  # the console's final block is the summary
+    assert parent.data.tags["estimate"].startswith("Full-run estimate:")
+    # mlautotune's own autotuning keys never reach DeepSpeed
+    for used in (results / "z0_gas1_tmbspg1" / "ds_config.json", results / "ds_config_optimal.json"):
+        assert "planned_tokens" not in used.read_text() and "autotuning" not in json.loads(used.read_text())

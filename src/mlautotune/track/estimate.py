@@ -126,23 +126,35 @@ def _hours_metrics(name: str, h: Hours, world_size: int) -> Dict[str, float]:
             f"estimate.{name}_gpu_hours": gpu.mid, f"estimate.{name}_gpu_hours_low": gpu.low, f"estimate.{name}_gpu_hours_high": gpu.high}
 
 
-def duration(hours: float) -> str:
-    """4 significant digits in hours, or minutes or seconds under an hour or a minute."""
+UNITS = (("h", 1.0), ("min", 60.0), ("s", 3600.0))
+
+
+def unit_of(hours: float) -> str:
+    """Hours from an hour on (and for 0), minutes under an hour, seconds under a minute."""
     size = abs(hours)
-    if size >= 1 or size == 0:
-        return f"{hours:,.4g} h"
-    if size * 60 >= 1:
-        return f"{hours * 60:.4g} min"
-    return f"{hours * 3600:.4g} s"
+    return "h" if size >= 1 or size == 0 else "min" if size * 60 >= 1 else "s"
+
+
+def duration(hours: float, unit: Optional[str] = None) -> str:
+    """4 significant digits in `unit` (by default the one that suits the size)."""
+    unit = unit or unit_of(hours)
+    return f"{_num(hours * dict(UNITS)[unit])} {unit}"
 
 
 def _span(h: Hours) -> str:
-    return f"{duration(h.mid)} ({duration(h.low)} to {duration(h.high)}, 95% interval)"
+    """The three in the middle's unit, so they read at a glance."""
+    u = unit_of(h.mid)
+    return f"{duration(h.mid, u)} ({duration(h.low, u)} to {duration(h.high, u)}, 95% interval)"
 
 
 def _gpu(h: Hours, world_size: int) -> str:
     g = h.times(world_size)
-    return f"{g.mid:,.4g} GPU-hours ({g.low:,.4g} to {g.high:,.4g}) on {world_size} device{'s' * (world_size != 1)}"
+    return f"{_num(g.mid)} GPU-hours ({_num(g.low)} to {_num(g.high)}) on {world_size} device{'s' * (world_size != 1)}"
+
+
+def _num(x: float) -> str:
+    """4 significant digits, and every digit of the whole part from 1,000 on (never 1.2e+04)."""
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.4g}"
 
 
 def _count(x: float) -> str:
