@@ -137,3 +137,13 @@ def test_summary_and_record_carry_the_estimate(tmp_path):
     assert "Saved: 0 h (0 h to 0 h, 95% interval), 0 GPU-hours (0 to 0) on 2 devices. Your starting configuration is the optimum." in summary
     assert record["metrics"]["estimate.optimum_hours"] == pytest.approx(1.0)
     assert record["tags"]["estimate"].startswith("Full-run estimate: 180,000 samples")
+
+
+def test_deepspeed_never_sees_the_planned_length():
+    """The planned_* keys live in the autotuning section, which no experiment's ds_config carries."""
+    from mlautotune.inputs.space import experiment_config
+
+    ds = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}, "autotuning": {"enabled": True, "planned_steps": 20000}}
+    plan = plan_of(ds)
+    cfg = experiment_config(plan, 1, 2, {})
+    assert "autotuning" not in cfg and "planned_steps" not in str(cfg)
