@@ -68,7 +68,7 @@ def test_the_estimate_at_the_optimum_and_the_start():
     assert m["estimate.saved_hours_low"] == pytest.approx(samples / 3600 * (0.98 / 100 - (1 + rel) / 160))
     assert m["estimate.saved_gpu_hours_high"] == pytest.approx(8 * samples / 3600 * (1.02 / 100 - (1 - rel) / 160))
     text = "\n".join(e.lines)
-    assert text.startswith("Full-run estimate: 36,000 steps (autotuning.planned_steps) x 16 samples per step (the ds_config) = 576,000 samples.")
+    assert text.startswith("Full-run estimate: 36,000 steps (autotuning.planned_steps) x 16 samples per step (your batch size) = 576,000 samples.")
     assert "the same samples take 18,000 of its steps" in text  # the optimum's batch is 32
     assert "At the optimum z1_gas1_tmbspg16: 1 h (" in text and "on 8 devices" in text
     assert "At your starting configuration z0_gas1_tmbspg8: 1.6 h (1.568 h to 1.632 h, 95% interval), 12.8 GPU-hours" in text
@@ -147,3 +147,46 @@ def test_deepspeed_never_sees_the_planned_length():
     plan = plan_of(ds)
     cfg = experiment_config(plan, 1, 2, {})
     assert "autotuning" not in cfg and "planned_steps" not in str(cfg)
+
+
+def test_a_trainer_scripts_max_steps_and_its_batch_flags_drive_the_estimate(tmp_path):
+    """The glue (commands.run_estimate) on a real session, opened as `plan` opens it: an HF Trainer
+    script with "auto" batch keys, --max_steps 1000 and --per_device_train_batch_size 4 on 2 ranks."""
+    import json
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from mlautotune.commands import run_estimate
+    from mlautotune.inputs.config import register_configs
+    from mlautotune.session import open_session
+
+    root = Path(__file__).resolve().parents[1]
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 1}, "autotuning": {"enabled": True}}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    args = "--deepspeed ds.json --max_steps 1000 --per_device_train_batch_size 4 --gradient_accumulation_steps 2"
+    register_configs()
+    with initialize_config_dir(config_dir=str(root / "src" / "mlautotune" / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"config={tmp_path / 'ds.json'}", f"script={root / 'tests' / 'scripts' / 'hf_trainer_gpt2.py'}",
+                                                       f"script_args='{args}'", "launcher.num_gpus=2", f"autotuning.results_dir={tmp_path / 'r'}"])
+    session = open_session(cfg, dry_run=True)
+    start = measured("z1_gas2_tmbspg4", 100.0, interval=0.0, trial=0, tbs=16)
+    start.params = {"stage": 1, "micro_batch": 4, "gas": 2}
+    best = measured("z1_gas2_tmbspg8", 160.0, interval=0.0, trial=1, tbs=32)
+    best.params = {"stage": 1, "micro_batch": 8, "gas": 2}
+    e = run_estimate(session, Outcome(best=best, stage_best={1: best}, measured=[start, best], experiments=2))
+    assert e.lines[0] == "Full-run estimate: 1,000 steps (the script's --max_steps) x 16 samples per step (your batch size) = 16,000 samples."
+    assert "the same samples take 500 of its steps" in e.lines[1]
+    assert e.metrics["estimate.start_hours"] == pytest.approx(16000 / 100 / 3600)
+    assert e.metrics["estimate.saved_gpu_hours"] == pytest.approx(2 * 16000 / 3600 * (1 / 100 - 1 / 160))
+    # the ds_config as given never ran: the summary says so instead of a figure
+    e = run_estimate(session, Outcome(best=best, stage_best={1: best}, measured=[best], experiments=1))
+    assert e.lines[-1] == "  Your starting configuration: z1_gas2_tmbspg4 was not measured in this session, so there is no time to compare with."
+
+
+def test_steps_without_a_batch_of_the_users_count_at_the_optimums():
+    best = measured("z1_gas1_tmbspg16", 160.0, tbs=32)
+    e = full_run(Planned("steps", 100, "autotuning.planned_steps"), best, None, "the ds_config lists the micro-batch sizes [2, 4], not one",
+                 metric="throughput", world_size=2, user_batch=None)
+    assert e.lines[0] == "Full-run estimate: 100 steps (autotuning.planned_steps) x 32 samples per step (the optimum's: the ds_config gives no single batch size) = 3,200 samples."
+    assert e.metrics["estimate.optimum_hours"] == pytest.approx(3200 / 160 / 3600)

@@ -16,6 +16,9 @@ from mlautotune.inputs.planned import Planned
 from mlautotune.search import Measured
 
 
+BATCH_OF_OPTIMUM = "the optimum's: the ds_config gives no single batch size"
+
+
 @dataclass(frozen=True)
 class Hours:
     mid: float
@@ -95,7 +98,7 @@ def full_run(planned: Optional[Planned], optimum: Optional[Measured], start: Opt
                 "steps": "the batch size in samples per step, which neither the ds_config nor the optimum's measurement gives"}[planned.unit]
         return Estimate([f"{head} none for {what}: it needs {need}."], {})
     if planned.unit == "steps":
-        basis = f" x {per_step} samples per step ({'the ds_config' if user_batch else 'the optimum: the ds_config gives no single batch size'})"
+        basis = f" x {per_step} samples per step ({'your batch size' if user_batch else BATCH_OF_OPTIMUM})"
     elif planned.unit == "tokens":
         basis = f" / {tokens[0]} tokens per sample ({tokens[1]})"
     else:
