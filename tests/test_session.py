@@ -228,7 +228,8 @@ def test_mlflow_run_in_run_mode_trains_with_the_optimum(tmp_path):
     argv = [
         sys.executable, "-m", "mlflow", "run", str(ROOT), "--env-manager", "local",
         "-P", f"config={config}", "-P", f"script={TIMED}", "-P", f"script_args={script_args}",
-        "-P", "num_gpus=2", "-P", "mode=run", "-P", f"results_dir={tmp_path / 'res'}", "-P", f"overrides=search.remeasure=0 {' '.join(QUICK)}",
+        "-P", "num_gpus=2", "-P", "mode=run", "-P", f"results_dir={tmp_path / 'res'}",
+        "-P", f"overrides=search.remeasure=0 {' '.join(QUICK)} autotuning.exps_dir={tmp_path / 'exps'}",  # `mlflow run` starts it in the checkout
     ]
     proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
