@@ -1,8 +1,15 @@
 """Memory savers as tuned dimensions (search/savers.py): the memory model's terms, where the plan proposes
 them, the host-memory check, and how an experiment switches them on (pure logic, no launches)."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import optuna
 import pytest
+from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
 from mlautotune.inputs.space import MicroBatchRule, TuningPlan, build_plan, experiment_config, experiment_name
@@ -18,6 +25,8 @@ GiB, MiB = 2**30, 2**20
 N = 100_000_000  # parameters
 ADAM = {"optimizer": {"type": "Adam"}, "bf16": {"enabled": True}}
 CKPT = {"activation_checkpointing": True}
+
+ROOT = Path(__file__).resolve().parents[1]
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -210,3 +219,50 @@ def test_an_experiment_switches_the_savers_on_in_its_config_and_its_script_flags
     assert experiment_args(exp, "/tmp/ds.json")[-2:] == ["--gradient_checkpointing", "true"]
     off = Experiment("x", cfg, "train.py", ["--lr", "1"], Resources(), {"stage": 1, "micro_batch": 8, "gas": 1}, dict(plan.arg_mappings))
     assert "--gradient_checkpointing" not in experiment_args(off, "/tmp/ds.json")
+
+
+# ---- for real: the HF Trainer's --gradient_checkpointing on CPU ----------------------------------------
+DEEP_HF = Path(__file__).parent / "scripts" / "hf_trainer_gpt2_deep.py"
+HF_ARGS = "--deepspeed ds.json --output_dir out --max_steps 8 --report_to none --save_strategy no --logging_steps 100 --per_device_train_batch_size 2"
+HEADROOM_MIB = 38  # the limit: this much above the peak at micro-batch 2 (about 12 samples without checkpointing)
+
+
+def _session(folder: Path, trials: int, limit: str = None) -> subprocess.CompletedProcess:
+    folder.mkdir()
+    at = {"enabled": True, "tuner_num_trials": trials, "start_profile_step": 2, "end_profile_step": 4, "experiment_timeout": 400,
+          "max_train_micro_batch_size_per_gpu": 24, **({"memory_limit_per_rank": limit} if limit else {})}
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto", "zero_optimization": {"stage": 0}, "autotuning": at}
+    (folder / "ds.json").write_text(json.dumps(ds))
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{folder / 'mlflow.db'}",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(DEEP_HF.parent), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "mlautotune", "config=ds.json", f"script={DEEP_HF}", f"script_args='{HF_ARGS}'", "launcher.num_gpus=1",
+                           f"launcher.master_port={30000 + os.getpid() % 20000}", "search.strategy=v3", "search.remeasure=0", "measure.budget_s=1"],
+                          cwd=folder, capture_output=True, text=True, env=env, timeout=1500)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(1800)
+def test_a_memory_limit_that_only_checkpointing_gets_past_makes_the_session_try_it_and_report_both(tmp_path):
+    first = _session(tmp_path / "calibrate", 1)  # one experiment, no limit: the rank's peak at micro-batch 2 on this machine
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    peak = json.loads((tmp_path / "calibrate" / "autotuning_results" / "z0_gas1_tmbspg2" / "result.json").read_text())["metrics"]["peak_memory_bytes"]
+    proc = _session(tmp_path / "tune", 5, f"{peak // 2**20 + HEADROOM_MIB}MiB")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = tmp_path / "tune" / "autotuning_results"
+    done = {d.name: json.loads((d / "result.json").read_text()) for d in results.iterdir() if (d / "result.json").exists()}
+    params = {name: json.loads((results / name / "exp.json").read_text())["params"] for name in done}
+    ckpt = [n for n in done if params[n].get("activation_checkpointing")]
+    plain_ok = [n for n in done if not params[n].get("activation_checkpointing") and done[n]["status"] == "ok"]
+    assert plain_ok and any(done[n]["status"] == "ok" for n in ckpt), done.keys()  # both were measured
+    assert min(params[n]["micro_batch"] for n in ckpt) > max(params[n]["micro_batch"] for n in plain_ok)  # only beyond the plain edge
+    summary = (results / "summary.txt").read_text()
+    said = next(line for line in summary.splitlines() if line.startswith("Note: memory savers:"))
+    won = "activation_checkpointing won" in said
+    assert won or "the best without them won" in said, said
+    assert ("--gradient_checkpointing true" in (results / "cmd_optimal.txt").read_text()) == won  # the optimum's command switches it on
+    assert "ZeRO-Offload is not proposed" in summary  # the CPU accelerator: the plan says why
+    trials = optuna.load_study(study_name=None, storage=f"sqlite:///{results / 'optuna.db'}").trials
+    assert any(t.params.get("activation_checkpointing") is True for t in trials)  # recorded in Optuna
+    c = MlflowClient(f"sqlite:///{tmp_path / 'tune' / 'mlflow.db'}")
+    children = [r for r in c.search_runs([e.experiment_id for e in c.search_experiments()]) if r.data.tags.get("mlautotune.role") == "experiment"]
+    assert any(r.data.params.get("activation_checkpointing") == "True" for r in children)  # and in MLflow

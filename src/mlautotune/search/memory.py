@@ -77,6 +77,7 @@ class MemoryModel:
         self.saver_oom_at: Dict[tuple, int] = {}  # (stage, savers key) -> smallest micro-batch seen to OOM
         self.checkpoint_factor = CHECKPOINT_FACTOR
         self.checkpoint_measured = False
+        self.per_sample_bounded = False  # the per-sample growth is an OOM's lower bound (_bound_per_sample)
 
     def model_states(self, stage: int, savers: Optional[Dict[str, bool]] = None) -> float:
         """Bytes per rank for parameters, gradients, fp32 master copy and optimizer states (on the
@@ -153,12 +154,12 @@ class MemoryModel:
         self.saver_points.append((stage, key[1], mbs, peak_bytes, oom))
         if oom:
             self.saver_oom_at[key] = min(self.saver_oom_at.get(key, mbs), mbs)
-        self._fit_checkpoint_factor()
+        self._fit()
 
     def _fit_checkpoint_factor(self) -> None:
         """The checkpointing factor its measured peaks show: each run's memory above the fixed part and
         the states, per sample, over the plain per-sample slope (once that slope is measured)."""
-        if self.fixed is None or not self.per_sample or not self.per_sample_measured():
+        if self.fixed is None or not self.per_sample or not any(not oom for *_, oom in self.points) or not self.per_sample_measured():
             return
         ratios = []
         for stage, keys, mbs, peak, oom in self.saver_points:
@@ -176,6 +177,8 @@ class MemoryModel:
         per stage from its own runs, or, for a stage with only OOMs, its nearest run stage's raised
         to what the OOMs imply."""
         ok = [(s, m, peak - self.model_states(s)) for s, m, peak, oom in self.points if not oom]
+        if not ok:  # only checkpointed runs (nothing ran without it): each is a plain point at factor x its micro-batch
+            ok = [(s, m * self.checkpoint_factor, peak - self.model_states(s, dict.fromkeys(k, True))) for s, k, m, peak, oom in self.saver_points if not oom]
         if not ok:
             return
         num = den = 0.0
@@ -189,7 +192,20 @@ class MemoryModel:
         for stage in sorted({s for s, _, _, _ in self.points} - set(self.stage_fixed)):
             bounds = [peak - self.model_states(s) - self.per_sample * m for s, m, peak, oom in self.points if s == stage and oom]
             self.stage_fixed[stage] = max([self.fixed_part(stage), *(b + 1 for b in bounds)])
+        self._bound_per_sample()
         self._fit_checkpoint_factor()
+
+    def _bound_per_sample(self) -> None:
+        """Before two sizes have run, an offloaded run that ran out of memory, in a stage with a fitted
+        fixed part, bounds the per-sample growth from below: at its micro-batch the peak passed the limit."""
+        self.per_sample_bounded = False
+        if self.per_sample_measured() or self.limit is None:
+            return
+        for stage, keys, mbs, peak, oom in self.saver_points:
+            if oom and "activation_checkpointing" not in keys and stage in self.stage_fixed and mbs > 0:
+                bound = (peak - self.stage_fixed[stage] - self.model_states(stage, dict.fromkeys(keys, True))) / mbs
+                if bound > (self.per_sample or 0.0):
+                    self.per_sample, self.per_sample_bounded = bound, True
 
     def fits(self, stage: int, mbs: int) -> bool:
         if stage in self.oom_at and mbs >= self.oom_at[stage]:
@@ -250,10 +266,13 @@ class MemoryModel:
 
     def per_sample_measured(self) -> bool:
         """Whether the per-sample slope comes from runs (two sizes in one stage), not the prior."""
-        sizes: Dict[int, set] = {}
+        sizes: Dict[Any, set] = {}
         for s, m, _, oom in self.points:
             if not oom:
                 sizes.setdefault(s, set()).add(m)
+        for s, k, m, _, oom in self.saver_points:
+            if not oom:
+                sizes.setdefault((s, k), set()).add(m)
         return any(len(v) >= 2 for v in sizes.values())
 
     def feasible(self, stage: int) -> bool:

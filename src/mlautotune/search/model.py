@@ -240,8 +240,10 @@ class FitModel:
         if mem is None or mem.limit is None or mem.fixed is None or not mem.per_sample:
             return None
         stage = params["stage"]
-        if savers_of(params):  # a saver's own curve (memory.py), within its group's runs (p_fits)
-            return float(mem.max_micro_batch(stage, savers=savers_of(params)))
+        if savers_of(params):  # a saver's own curve (memory.py) less the knobs' buffers and its group's measured excess
+            savers = savers_of(params)
+            extra = self._shift(params) + float(np.mean(self.residual.get(_group(params), [0.0])))
+            return float(mem.max_micro_batch(stage, savers=savers)) - extra / max(mem.per_sample_with(savers), 1.0)
         edge = float(mem.max_micro_batch(stage))
         lo, hi = self.stage_bounds(stage)
         edge = min(max(edge, lo), hi - 1)

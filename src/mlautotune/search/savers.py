@@ -21,7 +21,7 @@ before any run succeeded, `bootstrap` proposes offload at the stage that keeps t
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from mlautotune.inputs.space import CHECKPOINTING_KEY, TuningPlan
-from mlautotune.search.candidates import base_knobs, with_knobs
+from mlautotune.search.candidates import base_knobs, stage_knob_combos, with_knobs
 from mlautotune.search.memory import SAVER_KEYS, MemoryModel, savers_of
 
 SMALL_MICRO_BATCH = 4  # the best plain edge below this is "fits only at small micro-batches": offload enters
@@ -61,8 +61,8 @@ def proposals(plan: TuningPlan, memory: Optional[MemoryModel], allowed: Sequence
     """(stage, savers, sizes) for every saver combination worth proposing: the allowed sizes (and the
     combination's own edge) above the edges of its smaller combinations, up to its own edge."""
     notes = notes if notes is not None else []
-    if memory is None or memory.limit is None or memory.fixed is None or not memory.per_sample_measured():
-        return []  # an edge from the prior slope is too rough to put a saver beyond it
+    if memory is None or memory.limit is None or memory.fixed is None or not memory.per_sample:
+        return []
     base = plain_edge(memory, plan)
     out = []
     if plan.offload_device and memory.device == "cpu":
@@ -75,6 +75,8 @@ def proposals(plan: TuningPlan, memory: Optional[MemoryModel], allowed: Sequence
             edge = memory.max_micro_batch(stage, plan.micro_batch_cap, savers=savers)
             edges[key] = max(edge, below)
             offload = any(savers.get(k) for k in ("offload_optimizer", "offload_param"))
+            if CHECKPOINTING_KEY in savers and not (memory.per_sample_measured() or memory.per_sample_bounded):
+                continue  # its edge rests on the per-sample slope: from the prior it is too rough to go beyond the plain edge
             if offload and base >= SMALL_MICRO_BATCH:
                 continue  # a stage fits micro-batches that are not small without it
             if offload and not host_fits(memory, stage, savers):
@@ -90,17 +92,42 @@ def proposals(plan: TuningPlan, memory: Optional[MemoryModel], allowed: Sequence
 
 
 def candidates(plan: TuningPlan, fit: Any, allowed: Sequence[int], notes: Optional[List[str]] = None) -> List[Tuple[Dict[str, Any], float]]:
-    """The saver configurations of the constrained space, each with its P(fits), at the stage's default knobs."""
+    """The saver configurations of the constrained space, each with its P(fits): every knob combination
+    of the stage at the sizes its proposal allows."""
     out = []
     for stage, savers, sizes in proposals(plan, fit.memory, allowed, notes):
-        first = with_knobs(plan, stage, sizes[0], {**base_knobs(plan, stage), **savers})
-        out += [(with_knobs(plan, stage, m, {**base_knobs(plan, stage), **savers}), p) for m, p in zip(sizes, fit.p_fits(first, sizes))]
+        for knobs in stage_knob_combos(plan, stage):
+            first = with_knobs(plan, stage, sizes[0], {**knobs, **savers})
+            out += [(with_knobs(plan, stage, m, {**knobs, **savers}), p) for m, p in zip(sizes, fit.p_fits(first, sizes))]
     return out
+
+
+LOOK_P_FIT = 0.5  # a saver's first look is at a size at least this likely to fit
+
+
+def first_look(space: Sequence[Tuple[Dict[str, Any], float]], runs: Sequence[Any], pending: Sequence[Dict[str, Any]] = ()) -> Optional[Tuple[Dict[str, Any], str]]:
+    """A saver combination proposed but not measured yet gets one look, at its largest size likely to
+    fit: the throughput model cannot tell its cost (recompute, host transfers) from the runs without
+    it, and a GP's prior alone ranks it by the micro-batch trend only. (params, why) or None."""
+    tried = {tuple(sorted(savers_of(m.params))) for m in runs if m.result.status in ("ok", "oom")} | {tuple(sorted(savers_of(p))) for p in pending}
+    best: Dict[tuple, Tuple[Dict[str, Any], float]] = {}
+    for params, p in space:
+        key = tuple(sorted(savers_of(params)))
+        if key and key not in tried and p >= LOOK_P_FIT and (key not in best or params["micro_batch"] > best[key][0]["micro_batch"]):
+            best[key] = (params, p)
+    if not best:
+        return None
+    key = min(best, key=len)
+    params, p = best[key]
+    largest = max([0, *(m.params["micro_batch"] for m in runs if m.ok and not savers_of(m.params))])
+    return params, (f"memory saver {'+'.join(key)}: the memory model says it lets micro-batch {params['micro_batch']} fit "
+                    f"(P(fits) {p:.2f}; the largest run without it: {largest}); one look, so the model learns its cost")
 
 
 def bootstrap(plan: TuningPlan, runs: Sequence[Any], taken: set, device: str) -> Optional[Dict[str, Any]]:
     """When every stage ran out of memory at the smallest micro-batch and nothing ran: offload at the
-    stage that keeps the least per rank (stage 3 with both, then 2, then 1), at that micro-batch."""
+    stage that keeps the least per rank (stage 3 with both, then 2, then 1), at that micro-batch;
+    then the same with activation checkpointing too."""
     from mlautotune.search.candidates import params_key
 
     if not plan.offload_device or device == "cpu" or any(m.ok for m in runs):
@@ -109,11 +136,12 @@ def bootstrap(plan: TuningPlan, runs: Sequence[Any], taken: set, device: str) ->
     oom = {m.params["stage"] for m in runs if m.result.status == "oom" and m.params["micro_batch"] <= low and not savers_of(m.params)}
     if not oom or oom != set(plan.stages):
         return None
-    for stage in sorted((s for s in plan.stages if s >= 1), reverse=True):
-        for savers in reversed([c for c in combos(plan, stage, None) if CHECKPOINTING_KEY not in c]):
-            p = with_knobs(plan, stage, low, {**base_knobs(plan, stage), **savers})
-            if params_key(p) not in taken:
-                return p
+    for ckpt in (False, True):
+        for stage in sorted((s for s in plan.stages if s >= 1), reverse=True):
+            for savers in reversed([c for c in combos(plan, stage, None) if (CHECKPOINTING_KEY in c) == ckpt and len(c) > ckpt]):
+                p = with_knobs(plan, stage, low, {**base_knobs(plan, stage), **savers})
+                if params_key(p) not in taken:
+                    return p
     return None
 
 

@@ -117,6 +117,8 @@ class SearchV3(StrategyBase):
         for text in said:
             self.note(text)
         untried, p_fit = [p for p, _ in space], [q for _, q in space]
+        if self.kind == "model_based" and (look := savers.first_look(space, runs, self.pending_params)) is not None:
+            return Step(*look)
         if self.kind != "model_based":
             return self.sampler_step(untried, p_fit, runs, taken, ledger)
         return self.acquisition_step(untried, p_fit, runs)
