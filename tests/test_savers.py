@@ -62,6 +62,19 @@ def test_measured_checkpointed_peaks_correct_the_factor():
     assert m.per_sample == pytest.approx(100 * MiB)  # the plain fit is not moved by the checkpointed run
 
 
+def test_a_checkpointed_oom_raises_the_factor_and_an_offloaded_oom_bounds_the_growth():
+    m = memory()
+    m.observe(0, 64, None, True, CKPT)  # ran out of memory at 64 with checkpointing
+    assert m.predict(0, 64, CKPT) >= m.limit and not m.checkpoint_measured
+    assert m.max_micro_batch(0, savers=CKPT) < 64
+    one = MemoryModel(N, N, ADAM, 1, 1, 8 * GiB, "cuda")
+    opt = {"offload_optimizer": True}
+    one.observe(1, 1, int(GiB + one.model_states(1, opt) + 50 * MiB), False, opt)  # one size only: the slope is the prior's
+    prior = one.per_sample
+    one.observe(1, 4, None, True, opt)
+    assert one.per_sample_bounded and one.per_sample > prior and one.predict(1, 4, opt) >= one.limit
+
+
 def test_offload_removes_what_it_moves_from_the_device_and_costs_host_memory():
     m = memory(world=4, stages=(1, 3))
     dp = 4

@@ -24,7 +24,8 @@ Memory savers (savers.py: tuned where the plan has them) change two terms:
   L layers keeps ~1/L + 0.06 of its activations; the logits are not checkpointed. 0.35 is that for
   a 4-layer model with its logits, on the safe side for deeper ones. Once a checkpointed run has
   measured its peak, the factor is the one its peaks show (their median, per-sample part over the
-  plain per-sample slope).
+  plain per-sample slope); a checkpointed run that ran out of memory, before any fitted, raises the
+  factor to what its micro-batch implies.
 - ZeRO-Offload removes from the device what it moves to the host: offload_optimizer the fp32
   master weights and optimizer states (and their fp32 gradients), offload_param (stage 3) the
   weights. Their host memory is `host_bytes` (per rank), checked against the host's RAM by savers.py.
@@ -161,16 +162,18 @@ class MemoryModel:
         the states, per sample, over the plain per-sample slope (once that slope is measured)."""
         if self.fixed is None or not self.per_sample or not any(not oom for *_, oom in self.points) or not self.per_sample_measured():
             return
-        ratios = []
+        ratios, bounds = [], []
         for stage, keys, mbs, peak, oom in self.saver_points:
-            if oom or "activation_checkpointing" not in keys:
+            if "activation_checkpointing" not in keys:
                 continue
             savers = dict.fromkeys(keys, True)
-            ratios.append((peak - self.fixed_part(stage) - self.model_states(stage, savers)) / (self.per_sample * mbs))
+            (bounds if oom else ratios).append((peak - self.fixed_part(stage) - self.model_states(stage, savers)) / (self.per_sample * mbs))
+        lo, hi = CHECKPOINT_FACTOR_RANGE
         if ratios:
-            lo, hi = CHECKPOINT_FACTOR_RANGE
             self.checkpoint_factor = float(min(max(np.median(ratios), lo), hi))
             self.checkpoint_measured = True
+        elif bounds:  # a checkpointed OOM: at its micro-batch the peak passed the limit, so the factor is at least that
+            self.checkpoint_factor = float(min(max(CHECKPOINT_FACTOR, *bounds), hi))
 
     def _fit(self) -> None:
         """per_sample: least squares within each stage (each stage has its own intercept); fixed:

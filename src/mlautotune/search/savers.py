@@ -102,7 +102,7 @@ def candidates(plan: TuningPlan, fit: Any, allowed: Sequence[int], notes: Option
     return out
 
 
-LOOK_P_FIT = 0.5  # a saver's first look is at a size at least this likely to fit
+LOOK_P_FIT = 0.8  # a saver's first look is at the largest size at least this likely to fit
 
 
 def first_look(space: Sequence[Tuple[Dict[str, Any], float]], runs: Sequence[Any], pending: Sequence[Dict[str, Any]] = ()) -> Optional[Tuple[Dict[str, Any], str]]:
