@@ -157,12 +157,21 @@ def verdict(best: Any, runs: Sequence[Any], score: Any) -> Optional[str]:
     if not without:
         return f"memory savers: only configurations with them ran; the best is {name(top_with)}"
     top_without = max(without, key=lambda m: score(m.final_value))
+    other = top_without if savers_of(best.params) else top_with
+    close = abs(score(best.final_value) / score(other.final_value) - 1) <= best.interval + other.interval
+    unsure = " (within their measurement intervals: the ranking is uncertain)" if close else ""
     if savers_of(best.params):
         used = "+".join(sorted(savers_of(best.params)))
         return (f"memory savers: {used} won: {name(best)} against the best without savers {name(top_without)}; "
-                f"the larger micro-batch it lets fit outweighs what it costs")
+                f"the larger micro-batch it lets fit outweighs what it costs ({_cost(savers_of(best.params))}){unsure}")
     return (f"memory savers: the best without them won: {name(best)} against the best with them {name(top_with)}; "
-            f"the larger micro-batch they let fit does not make up for their cost (recompute or host transfers)")
+            f"the larger micro-batch they let fit does not make up for their cost ({_cost(savers_of(top_with.params))}){unsure}")
+
+
+def _cost(savers: Dict[str, bool]) -> str:
+    parts = (["recomputing the forward"] if savers.get(CHECKPOINTING_KEY) else []) + (
+        ["the optimizer step on the host and the host transfers"] if any(savers.get(k) for k in ("offload_optimizer", "offload_param")) else [])
+    return " and ".join(parts)
 
 
 __all__ = ["SAVER_KEYS", "bootstrap", "candidates", "combos", "encoder_values", "host_fits", "plain_edge", "proposals", "verdict"]
