@@ -87,6 +87,7 @@ class Session:
             memory_limit_bytes=self.memory_limit_bytes,
             world_size=self.world_size,
             device=self.device,
+            local_ranks=local_ranks(self.resources, self.world_size),
             sampler_target=sampler,
             alone=not self.worker,
         )

@@ -61,6 +61,8 @@ def distributions(plan: TuningPlan) -> Dict[str, BaseDistribution]:
                     choices[knob].append(v)
     for knob, values in choices.items():
         dists[knob] = CategoricalDistribution(sorted(values, key=lambda v: (type(v).__name__, v)))
+    saver_keys = (["activation_checkpointing"] if plan.checkpointing else []) + (["offload_optimizer", "offload_param"] if plan.offload_device else [])
+    dists.update({k: CategoricalDistribution([False, True]) for k in saver_keys})  # memory savers (savers.py): switches
     return dists
 
 

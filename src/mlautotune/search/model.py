@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from mlautotune.search.candidates import base_knobs, knobs_of_params
-from mlautotune.search.memory import MemoryModel
+from mlautotune.search.memory import MemoryModel, savers_of
 
 MIN_FIT = 5  # measurements before the kernel's hyperparameters are fitted
 NOISE_FLOOR = 1e-4  # variance of one measurement in log units: at least 1% (sd)
@@ -196,7 +196,7 @@ class FitModel:
         self.ok_at: Dict[tuple, int] = {}  # stage+knobs -> largest micro-batch that ran
         self.oom_at: Dict[tuple, int] = {}  # stage+knobs -> smallest micro-batch that ran out of memory
         self.residual: Dict[tuple, List[float]] = {}  # stage+knobs -> measured peak minus the prior's prediction
-        self.ooms: List[Tuple[int, float, int]] = []  # (stage, buffer bytes, micro-batch) of every OOM
+        self.ooms: List[Tuple[int, float, int, tuple]] = []  # (stage, buffer bytes, micro-batch, savers) of every OOM
         for m in runs:
             key = _group(m.params)
             mbs = m.params["micro_batch"]
@@ -207,12 +207,13 @@ class FitModel:
                     self.residual.setdefault(key, []).append(float(peak) - self._prior_peak(m.params))
             elif m.result.status == "oom":
                 self.oom_at[key] = min(self.oom_at.get(key, mbs), mbs)
-                self.ooms.append((m.params["stage"], self._buffers(m.params), mbs))
+                self.ooms.append((m.params["stage"], self._buffers(m.params), mbs, tuple(sorted(savers_of(m.params)))))
         self.largest_ok = max([0, *self.ok_at.values()])
         self._edges: Dict[tuple, Optional[float]] = {}
         self._curves: Dict[tuple, tuple] = {}
         self._bounds: Dict[int, Tuple[float, float]] = {}
-        self.outcomes = [(m.params, m.result.status) for m in runs if m.result.status in ("ok", "oom")]
+        # a run with a saver says nothing of the plain curve's edges (its own OOMs bound its own group: oom_at)
+        self.outcomes = [(m.params, m.result.status) for m in runs if m.result.status in ("ok", "oom") and not savers_of(m.params)]
 
     def _buffers(self, params: Dict[str, Any]) -> float:
         return buffer_bytes(params["stage"], knobs_of_params(params), self.element_bytes)
@@ -223,7 +224,7 @@ class FitModel:
         return buffer_bytes(stage, knobs, self.element_bytes) - buffer_bytes(stage, base_knobs(self.plan, stage), self.element_bytes)
 
     def _prior_peak(self, params: Dict[str, Any]) -> float:
-        return self.memory.predict(params["stage"], params["micro_batch"]) + self._shift(params)
+        return self.memory.predict(params["stage"], params["micro_batch"], savers_of(params)) + self._shift(params)
 
     def edge(self, params: Dict[str, Any]) -> Optional[float]:
         """The largest micro-batch predicted to fit with these knobs (None: no memory model or no limit)."""
@@ -239,6 +240,10 @@ class FitModel:
         if mem is None or mem.limit is None or mem.fixed is None or not mem.per_sample:
             return None
         stage = params["stage"]
+        if savers_of(params):  # a saver's own curve (memory.py) less the knobs' buffers and its group's measured excess
+            savers = savers_of(params)
+            extra = self._shift(params) + float(np.mean(self.residual.get(_group(params), [0.0])))
+            return float(mem.max_micro_batch(stage, savers=savers)) - extra / max(mem.per_sample_with(savers), 1.0)
         edge = float(mem.max_micro_batch(stage))
         lo, hi = self.stage_bounds(stage)
         edge = min(max(edge, lo), hi - 1)
@@ -296,7 +301,8 @@ class FitModel:
     def _curve(self, params: Dict[str, Any], key: tuple) -> Tuple[int, float, Optional[float], float]:
         """(largest size known to fit, smallest known not to, the predicted edge, the logistic's scale)."""
         buffers = self._buffers(params)
-        fails = [at for stage, b, at in self.ooms if stage == params["stage"] and buffers >= b]  # an OOM with no more buffers
+        savers = tuple(sorted(savers_of(params)))
+        fails = [at for stage, b, at, s in self.ooms if stage == params["stage"] and buffers >= b and s == savers]  # an OOM with no more buffers
         fails_from = min([self.oom_at.get(key, math.inf), *fails])
         return self.ok_at.get(key, 0), fails_from, self.edge(params), KNOWN_SLOPE_SCALE if self.slope_measured else PRIOR_SLOPE_SCALE
 
