@@ -4,6 +4,7 @@
     python benchmarks/generator.py score [--landscapes 200] [--seed0 0] [--only SEED] [--strategies ...]
                                          [--workers 1,4] [--search v3|rules] [--jobs 1] [--json OUT.json] [--trace]
     python benchmarks/generator.py table OUT.json [...] [--json MERGED.json]   # the figures of records (merged by seed)
+    python benchmarks/generator.py show|score --savers ...   # the memory-saver family (below)
 
 `make(seed)` draws a landscape's traits at random (seeded: the same seed, the same landscape) and
 returns it in the landscape format of landscape.py, with no stored points: every configuration is
@@ -53,6 +54,18 @@ Step time = gas x micro-step + exposed communication + optimizer step:
   all-gather the updated weights after the step. contiguous_gradients off copies each bucket
   before reducing it.
 - optimizer step: the local Adam states read and written at memory bandwidth.
+
+The memory-saver family (`--savers`, `make(seed, savers=True)`; the default family is unchanged):
+landscapes where no stage fits micro-batch 1 without a saver and some stage fits it with ZeRO-Offload,
+with activation checkpointing and offload as the plan's dimensions (params `activation_checkpointing`,
+`offload_optimizer`, `offload_param`). Offload moves off the GPU what it moves to the host:
+offload_optimizer (stages 1-3) the fp32 states and the fp32 gradient copy, offload_param (stage 3)
+the partitioned weights (the gathered layers stay); its cost is the optimizer step on the host's
+cores (seconds per local parameter) and the traffic over the host link (PCIe, 12-25 GB/s): half
+gradients down and half weights up per step, and with offload_param the weights at every
+micro-step's forward and backward gathers. Checkpointing as the trait: activations of 2 s h per
+layer plus one layer's set, a forward more of compute. Each node has 512 GB-2 TB of host RAM
+(`host_memory_bytes`).
 
 Measurement: `noisy` multiplies by 1 + rel x z, z a normal draw of deviation 1/2 clipped to [-1, 1]
 (rel is the landscape's noise, 1-8%), drawn afresh at every measurement; the systematic part is a
@@ -121,9 +134,13 @@ def spaces() -> Dict[int, Dict[str, list]]:
     return {s: yaml.safe_load((HERE.parent / "conf" / "space" / f"zero{s}.yaml").read_text()) or {} for s in range(4)}
 
 
-def make(seed: int) -> Dict[str, Any]:
+def make(seed: int, savers: bool = False) -> Dict[str, Any]:
     """The landscape of `seed`: traits drawn until the model has 0.1-70B parameters, some stage fits
-    micro-batch 1 and some stage runs out of memory within the micro-batch range."""
+    micro-batch 1 and some stage runs out of memory within the micro-batch range. `savers`: the
+    memory-saver family, drawn until no stage fits micro-batch 1 without a saver and some stage
+    fits it with offload."""
+    if savers:
+        return make_savers(seed)
     rng = random.Random(f"landscape-{seed}")
     draws = 0
     while True:
@@ -133,6 +150,31 @@ def make(seed: int) -> Dict[str, Any]:
         land = landscape(seed, t, draws)
         if 0.1e9 <= t["params"] <= 70e9 and any(edge(land["model"], s) is not None for s in range(4)):
             return land
+
+
+SAVER_COMBOS = {0: [{}, {"activation_checkpointing": True}]}
+SAVER_COMBOS[1] = SAVER_COMBOS[2] = SAVER_COMBOS[0] + [{"offload_optimizer": True}, {"offload_optimizer": True, "activation_checkpointing": True}]
+SAVER_COMBOS[3] = SAVER_COMBOS[1] + [{"offload_optimizer": True, "offload_param": True},
+                                     {"offload_optimizer": True, "offload_param": True, "activation_checkpointing": True}]
+
+
+def make_savers(seed: int) -> Dict[str, Any]:
+    rng = random.Random(f"savers-landscape-{seed}")
+    draws = 0
+    while True:
+        draws += 1
+        t = draw_traits(rng)
+        t.update(seed=seed, savers=True, checkpointing=False, host_memory_gb=rng.choice([512, 1024, 2048]),
+                 host_link_bytes_s=rng.uniform(12e9, 25e9), cpu_adam_s=rng.uniform(1e-9, 3e-9))
+        if not 0.1e9 <= t["params"] <= 70e9:
+            continue
+        if any(fits(t, config(t, s, 1)) for s in range(4)) or not any(fits(t, config(t, s, 1, o)) for s in (1, 2, 3) for o in SAVER_COMBOS[s][2:]):
+            continue
+        land = landscape(seed, t, draws)
+        land["name"] = f"gen_savers_{seed}"
+        land["plan"].update(checkpointing=True, offload_device="cpu")
+        land["host_memory_bytes"] = int(t["host_memory_gb"] * GB)
+        return land
 
 
 def landscape(seed: int, t: Dict[str, Any], draws: int) -> Dict[str, Any]:
@@ -178,12 +220,18 @@ def persistent(t: Dict[str, Any], threshold: float) -> float:
     return sum(n * c for n, c in tensors(t) if n < threshold)
 
 
-def activations(t: Dict[str, Any]) -> Tuple[float, float]:
+def checkpointed(t: Dict[str, Any], params: Optional[Dict[str, Any]] = None) -> bool:
+    """Activation checkpointing: the trait, or (the memory-saver family) the configuration's switch."""
+    return bool(t["checkpointing"] or (params or {}).get("activation_checkpointing"))
+
+
+def activations(t: Dict[str, Any], params: Optional[Dict[str, Any]] = None) -> Tuple[float, float]:
     """(bytes kept for the backward per sample, bytes of one layer's working set per sample)."""
     s, h, a = t["seq"], t["hidden"], t["heads"]
     layer = s * h * (34 + (0 if t["flash_attention"] else 5 * a * s / h))
-    kept = 2 * s * h * t["layers"] if t["checkpointing"] else layer * t["layers"]
-    return kept + 6 * s * t["vocab"], layer if t["checkpointing"] else 0.0
+    ckpt = checkpointed(t, params)
+    kept = 2 * s * h * t["layers"] if ckpt else layer * t["layers"]
+    return kept + 6 * s * t["vocab"], layer if ckpt else 0.0
 
 
 def memory(t: Dict[str, Any], params: Dict[str, Any]) -> Tuple[float, float]:
@@ -194,7 +242,7 @@ def memory(t: Dict[str, Any], params: Dict[str, Any]) -> Tuple[float, float]:
     optim /= n if stage >= 1 else 1
     grads /= n if stage >= 2 else 1
     weights /= n if stage >= 3 else 1
-    kept, working = activations(t)
+    kept, working = activations(t, params)
     act = mbs * (kept + working)
     rbs = min(knob(params, "reduce_bucket_size"), P) * 2
     frag = t["fragmentation"]
@@ -209,9 +257,11 @@ def memory(t: Dict[str, Any], params: Dict[str, Any]) -> Tuple[float, float]:
         keep = persistent(t, knob(params, "stage3_param_persistence_threshold"))
         layer = (P - t["vocab"] * t["hidden"]) / t["layers"]
         live = min(knob(params, "stage3_max_live_parameters"), 2 * layer + knob(params, "stage3_prefetch_bucket_size"))
-        weights += 2 * keep * (1 - 1 / n)
+        weights = 0.0 if params.get("offload_param") else weights + 2 * keep * (1 - 1 / n)
         backward += 2 * live
         frag *= 1.5
+    if params.get("offload_optimizer") and stage >= 1:  # the fp32 states and gradient copy live on the host
+        optim, step = 0.0, step - 4 * P / n
     states = weights + grads + optim
     peak = t["context_bytes"] + states + (1 + frag) * max(act + backward, step)
     return peak, mbs * kept
@@ -241,10 +291,11 @@ def step_time(t: Dict[str, Any], params: Dict[str, Any], peak: float) -> float:
     gas = gas_of(t, mbs, params.get("gas"))
     tokens = mbs * t["seq"]
     flops = 6 * P * tokens + 12 * t["layers"] * t["seq"] ** 2 * t["hidden"] * mbs
-    if t["checkpointing"]:
+    ckpt = checkpointed(t, params)
+    if ckpt:
         flops *= 4 / 3
     gpu = flops / (t["peak_flops"] * t["efficiency_max"] * tokens / (tokens + t["half_tokens"]))
-    cpu = t["layers"] * (60 + 20 * t["checkpointing"]) * t["launch_s"] + (4 * t["layers"] * t["hook_s"] if stage == 3 else 0.0)
+    cpu = t["layers"] * (60 + 20 * ckpt) * t["launch_s"] + (4 * t["layers"] * t["hook_s"] if stage == 3 else 0.0)
     grad_hooks = sum(c for _, c in tensors(t)) * t["grad_hook_s"]  # ZeRO's per-gradient hook: every micro-step at stages 2-3
     cpu += grad_hooks if stage >= 2 else 0.0
     micro = (gpu**4 + cpu**4) ** 0.25
@@ -277,6 +328,10 @@ def step_time(t: Dict[str, Any], params: Dict[str, Any], peak: float) -> float:
             per_micro += gather - min(share * gather, t["overlap_efficiency"] * compute)
     local = P / (t["gpus"] if stage >= 1 else 1)
     optimizer = (30 + (4 if t["precision"] == "fp16" else 0)) * local / t["hbm_bytes_s"]
+    if params.get("offload_optimizer") and stage >= 1:  # the step on the host's cores; half gradients down, half weights up
+        optimizer = local * t["cpu_adam_s"] + 2 * 2 * local / t["host_link_bytes_s"]
+    if params.get("offload_param") and stage == 3:  # every gather of the forward and the backward comes over the host link first
+        per_micro += 2 * 2 * local / t["host_link_bytes_s"]
     return gas * (micro + per_micro) + per_step + optimizer
 
 
@@ -325,8 +380,12 @@ def noisy(metrics: Dict[str, Any], rng: random.Random) -> Dict[str, Any]:
 
 # ---- the landscape's shape ------------------------------------------------------------------
 def combos(land: Dict[str, Any], stage: int) -> List[Dict[str, Any]]:
+    """Every knob combination of the stage (with every saver combination, in the memory-saver family)."""
     knobs = land["plan"]["knobs"][str(stage)]
-    return [dict(zip(knobs, c)) for c in itertools.product(*knobs.values())]
+    out = [dict(zip(knobs, c)) for c in itertools.product(*knobs.values())]
+    if land["model"].get("savers"):
+        out = [{**c, **s} for s in SAVER_COMBOS[stage] for c in out]
+    return out
 
 
 def cap(t: Dict[str, Any]) -> int:
@@ -394,7 +453,7 @@ def evaluate(job: tuple) -> Dict[str, Any]:
 
     seed, strategies, counts, trace, *rest = job
     search = rest[0] if rest else None  # the product's search.strategy (None: conf's)
-    land = make(seed)
+    land = make(seed, savers=len(rest) > 1 and rest[1])
     b = best(land)
     runs = []
     for strategy in strategies:
@@ -411,7 +470,7 @@ def line(result: Dict[str, Any]) -> str:
     for r in result["records"]:
         to99 = "never" if r["to99"] is None else r["to99"]
         cells.append(f"{r['strategy']}/{r['workers']}w to99 {to99} regret {r['regret']:.1%}")
-    return f"seed {result['seed']} [{make(result['seed'])['description']}]: " + "; ".join(cells)
+    return f"seed {result['seed']} [{describe_traits(result['traits'])}]: " + "; ".join(cells)
 
 
 def quantile(values: List[float], q: float) -> float:
@@ -582,7 +641,7 @@ def score(args: argparse.Namespace) -> None:
     strategies = args.strategies.split(",")
     counts = [int(n) for n in args.workers.split(",")]
     seeds = [args.only] if args.only is not None else list(range(args.seed0, args.seed0 + args.landscapes))
-    jobs = [(s, strategies, counts, args.trace, args.search) for s in seeds]
+    jobs = [(s, strategies, counts, args.trace, args.search, args.savers) for s in seeds]
     results = []
     with multiprocessing.Pool(args.jobs) if args.jobs > 1 else _Serial() as pool:
         for result in pool.imap(evaluate, jobs):
@@ -611,6 +670,7 @@ def main() -> None:
     sub = ap.add_subparsers(dest="command", required=True)
     show = sub.add_parser("show", help="print each landscape's traits and shape")
     show.add_argument("seeds", nargs="+", type=int)
+    show.add_argument("--savers", action="store_true", help="the memory-saver family (only offload fits)")
     sc = sub.add_parser("score", help="replay every strategy on generated landscapes and score them")
     sc.add_argument("--landscapes", type=int, default=200)
     sc.add_argument("--seed0", type=int, default=0, help="the first landscape's seed")
@@ -621,13 +681,14 @@ def main() -> None:
     sc.add_argument("--jobs", type=int, default=1, help="landscapes scored in parallel (processes)")
     sc.add_argument("--json", metavar="OUT", help="write the per-landscape results and records")
     sc.add_argument("--trace", action="store_true", help="print every replayed experiment: params, the value the search saw, the true value")
+    sc.add_argument("--savers", action="store_true", help="the memory-saver family: landscapes where only offload fits")
     tb = sub.add_parser("table", help="the figures table of records written by score --json (several are merged, by seed)")
     tb.add_argument("records", nargs="+")
     tb.add_argument("--json", metavar="OUT", help="write the merged record (each record's command kept)")
     args = ap.parse_args()
     if args.command == "show":
         for seed in args.seeds:
-            land = make(seed)
+            land = make(seed, savers=args.savers)
             print(shape(land, best(land)))
     elif args.command == "score":
         score(args)

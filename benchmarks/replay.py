@@ -59,17 +59,21 @@ def run_product(land: Dict[str, Any], runner: LandscapeRunner, tuner_type: str, 
     plan = TuningPlan(stages=list(p["stages"]), knobs={int(s): v for s, v in p["knobs"].items()},
                       micro_batch=MicroBatchRule(p["micro_batch"]["mode"], tuple(p["micro_batch"]["values"])), gas=p["gas"],
                       max_train_batch_size=p.get("max_train_batch_size"), mp_size=1, fast=p["fast"], base_config=p.get("base_config", {}),
-                      data_parallel=land["world_size"])
+                      data_parallel=land["world_size"], checkpointing=bool(p.get("checkpointing")), offload_device=p.get("offload_device"))
     target = yaml.safe_load((HERE.parent / "conf" / "tuner" / f"{tuner_type}.yaml").read_text())
     target = {k: (seed if v == "${search.seed}" else v) for k, v in target.items()}
     settings = SearchSettings(metric=land.get("metric", at.metric), tuner_type=tuner_type, seed=seed, early_stopping=at.tuner_early_stopping,
                               num_trials=at.tuner_num_trials, num_tuning_micro_batch_sizes=at.num_tuning_micro_batch_sizes, remeasure=search.remeasure,
                               explore=search.explore if explore is None else explore,
                               strategy=search_strategy or search.strategy, stop_probability=search.stop_probability,
-                              memory_limit_bytes=land["memory_limit_bytes"], world_size=land["world_size"], device=land["device"], sampler_target=target)
+                              memory_limit_bytes=land["memory_limit_bytes"], world_size=land["world_size"], device=land["device"], sampler_target=target,
+                              host_memory_bytes=land.get("host_memory_bytes"), local_ranks=min(8, land["world_size"]))
 
     def make_experiment(params):
-        return Experiment(f"z{params['stage']}_gas{params['gas']}_tmbspg{params['micro_batch']}", {}, "replay", [], Resources(), dict(params))
+        from mlautotune.inputs.space import experiment_name
+
+        knobs = {k: v for k, v in params.items() if k not in ("stage", "micro_batch", "gas")}
+        return Experiment(experiment_name(params["stage"], params["gas"], params["micro_batch"], knobs), {}, "replay", [], Resources(), dict(params))
 
     def run(exp):
         status, metrics, wall = runner.measure(exp.params)

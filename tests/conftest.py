@@ -59,3 +59,19 @@ def leftovers():
         return found
 
     return find
+
+
+# What a session or an MLflow server writes into its working folder when it is given no other place.
+WORKING_TREE_OUTPUTS = ("mlflow.db", "mlruns", "mlartifacts", "autotuning_results", "autotuning_exps", "outputs", "multirun")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def nothing_written_into_the_checkout():
+    """Every test writes in its own temporary folder: a session, `mlflow ui` or `mlflow server` started
+    with the checkout as its working folder leaves MLflow's store or artifacts there (and a later
+    `git add -A` commits them)."""
+    root = Path(__file__).resolve().parents[1]
+    before = {name for name in WORKING_TREE_OUTPUTS if (root / name).exists()}
+    yield
+    new = sorted(name for name in WORKING_TREE_OUTPUTS if (root / name).exists() and name not in before)
+    assert not new, f"the tests wrote {new} into the checkout {root}; give the command a working folder under its tmp_path"

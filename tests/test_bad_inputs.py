@@ -173,6 +173,12 @@ CASES = [
     ('"results_dir": 7', {"autotuning": {"enabled": True, "results_dir": 7}}, [], "autotuning.results_dir is 7, not a string"),
     ('"max_train_batch_size": "big"', {"autotuning": {"enabled": True, "max_train_batch_size": "big"}}, [], "autotuning.max_train_batch_size is \"big\""),
     ('"experiment_timeout": true', {"autotuning": {"enabled": True, "experiment_timeout": True}}, [], "autotuning.experiment_timeout is true, not a number"),
+    # ---- issue 51: the full run's planned length (mlautotune's own autotuning keys)
+    ("planned_steps 0", {"autotuning": {"enabled": True, "planned_steps": 0}}, [], "autotuning.planned_steps=0 is not a positive whole number"),
+    ("negative planned_samples on the command line", {"autotuning": OK_AT}, ["autotuning.planned_samples=-5"], "autotuning.planned_samples=-5 is not a positive whole number"),
+    ('"planned_tokens": "1e9"', {"autotuning": {"enabled": True, "planned_tokens": "1e9"}}, [], 'autotuning.planned_tokens is "1e9" (in quotes), not a whole number'),
+    ('"planned_steps": 2.5', {"autotuning": {"enabled": True, "planned_steps": 2.5}}, [], "autotuning.planned_steps is 2.5, not a whole number"),
+    ("two planned lengths", {"autotuning": {"enabled": True, "planned_steps": 100, "planned_samples": 3200}}, [], "autotuning.planned_steps and autotuning.planned_samples are both given"),
     ('"mp_size": 1.5', {"autotuning": {"enabled": True, "mp_size": 1.5}}, [], "autotuning.mp_size is 1.5, not a whole number"),
     ('"arg_mappings": "x"', {"autotuning": {"enabled": True, "arg_mappings": "x"}}, [], 'autotuning.arg_mappings is "x", not an object'),
     ('"memory_limit_per_rank": true', {"autotuning": {"enabled": True, "memory_limit_per_rank": True}}, [], "autotuning.memory_limit_per_rank is true, not a string"),

@@ -159,7 +159,8 @@ def test_hf_trainer_script_is_recognised():
 
 def test_hf_auto_values_map_onto_the_trainer_flags_and_pass_through(cfg):
     plan = plan_of(cfg, {**HF_DS, "autotuning": {"enabled": True}}, script_args=["--per_device_train_batch_size", "2"], hf_trainer=True)
-    assert plan.arg_mappings == {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size", "gradient_accumulation_steps": "--gradient_accumulation_steps"}
+    assert plan.arg_mappings == {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size", "gradient_accumulation_steps": "--gradient_accumulation_steps",
+                                 "activation_checkpointing": "--gradient_checkpointing"}  # the Trainer's checkpointing switch is a memory saver
     assert plan.micro_batch.values == (2,) and plan.gas == 1
     ds = experiment_config(plan, 1, 4, {})
     assert ds["zero_optimization"]["reduce_bucket_size"] == "auto"  # the Trainer fills it from the hidden size

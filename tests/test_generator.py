@@ -201,3 +201,43 @@ def test_table_merges_records_by_seed(tmp_path, monkeypatch, capsys):
     assert "### 3 generated landscapes (seeds 0..2)" in capsys.readouterr().out
     merged = json.loads((tmp_path / "m.json").read_text())
     assert merged["commands"] == ["score a", "score b"] and [r["seed"] for r in merged["results"]] == [0, 1, 2]
+
+
+SAVER_SEEDS = range(4)
+
+
+def test_the_memory_saver_family_fits_only_with_offload_and_leaves_the_default_family_alone():
+    for seed in SAVER_SEEDS:
+        land = generator.make(seed, savers=True)
+        t = land["model"]
+        assert not any(generator.fits(t, generator.config(t, s, 1)) for s in range(4))  # nothing fits without a saver
+        assert any(generator.fits(t, generator.config(t, s, 1, o)) for s in (1, 2, 3) for o in generator.SAVER_COMBOS[s][2:])
+        assert land["plan"]["offload_device"] == "cpu" and land["plan"]["checkpointing"] and land["host_memory_bytes"] >= 512e9
+    plain = generator.make(3)
+    assert "savers" not in plain["model"] and "offload_device" not in plain["plan"]
+    assert all(not k.startswith(("offload", "activation")) for c in generator.combos(plain, 3) for k in c)
+
+
+def test_offload_takes_the_states_off_the_gpu_and_checkpointing_the_activations_at_a_cost_in_time():
+    t = generator.make(0, savers=True)["model"]
+    z3 = generator.config(t, 3, 2)
+    offloaded = {**z3, "offload_optimizer": True, "offload_param": True}
+    ckpt = {**z3, "activation_checkpointing": True}
+    assert generator.memory(t, offloaded)[0] < generator.memory(t, {**z3, "offload_optimizer": True})[0] < generator.memory(t, z3)[0]
+    assert generator.memory(t, ckpt)[0] < generator.memory(t, z3)[0]
+    peak = generator.memory(t, z3)[0]
+    assert generator.step_time(t, offloaded, peak) > generator.step_time(t, z3, peak) and generator.step_time(t, ckpt, peak) > generator.step_time(t, z3, peak)
+
+
+def test_the_search_finds_a_configuration_where_only_offload_fits():
+    """The product's v3 search on the memory-saver family: every stage runs out of memory at micro-batch 1,
+    and it declares an offloaded configuration that fits, near the landscape's best."""
+    import replay
+
+    regrets = []
+    for seed in SAVER_SEEDS:
+        land = generator.make(seed, savers=True)
+        runner, found = replay.replay(land, "model_based", seed, 1, search_strategy="v3")
+        assert found is not None and (found.get("offload_optimizer") or found.get("offload_param")), found
+        regrets.append(1 - runner.true_value(found) / generator.best(land)["value"])
+    assert sorted(regrets)[len(regrets) // 2] < 0.1, regrets  # the median within 10% of the best

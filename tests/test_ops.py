@@ -172,14 +172,20 @@ def test_an_environment_gets_its_own_op_cache_when_the_default_holds_another_env
     assert "TORCH_EXTENSIONS_DIR" not in os.environ  # the default holds this environment's build
 
 
-def test_a_build_made_through_a_linked_environment_is_this_environments(tmp_path, monkeypatch):
-    """A `.venv` that links to the environment (how tests/test_readme.py runs the README) imports
-    DeepSpeed from the link's path: the build is still this environment's, not rebuilt."""
+def test_a_build_made_through_the_real_path_is_not_one_through_a_link(tmp_path, monkeypatch):
+    """A `.venv` that links to the environment imports DeepSpeed from the link's path: torch writes
+    that path into build.ninja, so a build made through the real path would be compiled again on first
+    use, inside an experiment and against its timeout: it is not this process's build, and the
+    session builds the ops before any experiment."""
     import deepspeed
     import torch
 
-    (tmp_path / "build.ninja").write_text(f"cflags = -I{os.path.realpath(os.path.dirname(deepspeed.__file__))} -I{os.path.realpath(os.path.dirname(torch.__file__))}\n")
+    here = [os.path.abspath(os.path.dirname(m.__file__)) for m in (deepspeed, torch)]
+    (tmp_path / "build.ninja").write_text(f"cflags = -I{here[0]} -I{here[1]}\n")
+    assert ops.built_here(str(tmp_path))
     link = tmp_path / "venv-link"
     link.symlink_to(Path(deepspeed.__file__).parents[1])  # site-packages, through a link
     monkeypatch.setattr(deepspeed, "__file__", str(link / "deepspeed" / "__init__.py"))
+    assert not ops.built_here(str(tmp_path))
+    (tmp_path / "build.ninja").write_text(f"cflags = -I{link / 'deepspeed'} -I{here[1]}\n")
     assert ops.built_here(str(tmp_path))

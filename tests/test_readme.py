@@ -5,18 +5,21 @@ skipped), each as one bash script (its lines share variables, loops and env file
 a backslash continues on the next; `# ...` comments are dropped), in README order, in one copy of
 the repository (its git-tracked files, with `.venv` a link to this test's virtualenv), so a block
 may use what an earlier one left (a session's results, the MLflow store). The first command that
-fails stops its block and fails the test, named, with the block's output.
+fails stops its block and fails the test, named, with the block's output. The commands compile no
+DeepSpeed op: setup built them once, and the test fails if one was built again while it ran.
 
 What the test changes, and why (none of it changes what a command does):
 - the budget: every `tuner_num_trials=N` on a command line, and every `"tuner_num_trials"` in the
-  copy's JSON files, becomes 2 (README_NUM_TRIALS), and a ds_config in the copy without one gets it:
-  the commands run whole sessions, and the test must stay short;
+  copy's JSON files, becomes 1 (README_NUM_TRIALS), and a ds_config in the copy without one gets it:
+  the commands run whole sessions, one experiment each, and the test must stay short;
 - servers (`mlflow ui`, `mlflow server`, `optuna-dashboard`) run until their port answers over HTTP,
   then are stopped; their `--port` becomes a free one (other processes on the machine may hold it).
 
 The skip rule (SKIPPED): the parts of a line that set up or test the environment, which the test
 itself runs inside of: `bash scripts/setup.sh`, `bash scripts/test.sh`, `. .venv/bin/activate`
-(the copy's `.venv` is this environment, and the commands run with its bin/ first on PATH) and
+(the copy's `.venv` is this environment, and the commands run with its bin/ first on PATH, named by
+its own path: through the link, DeepSpeed's sources have other paths than those its ops were built
+from, and torch would compile them again in the first experiment) and
 `pip install ...`. A command whose program such a skipped install would provide, and that this
 environment lacks (`optuna-dashboard` when it is not installed), is skipped and named in the test's
 output.
@@ -38,7 +41,7 @@ from typing import List, Tuple
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-README_NUM_TRIALS = 2
+README_NUM_TRIALS = 1
 SKIPPED = (re.compile(r"^bash scripts/(setup|test)\.sh\b"), re.compile(r"^(\.|source) \.venv/bin/activate$"), re.compile(r"^(python -m )?pip install\b"))
 SERVERS = {"mlflow ui": 5000, "mlflow server": 5000, "optuna-dashboard": 8080}  # program -> its default port
 
@@ -190,7 +193,7 @@ def test_the_parser_reads_bash_blocks_and_skips_the_rest():
                        "mlautotune config=x.json autotuning.tuner_num_trials=8", "echo 'a # b'"],
                       [".venv/bin/mlflow ui --port 5000", "no-such-program-here --x"]]
     script, servers, skipped = script_of(blocks[0], os.environ["PATH"])
-    assert script.splitlines()[2:] == ["mlautotune plan", "mlautotune config=x.json autotuning.tuner_num_trials=2", "echo 'a # b'"]
+    assert script.splitlines()[2:] == ["mlautotune plan", f"mlautotune config=x.json autotuning.tuner_num_trials={README_NUM_TRIALS}", "echo 'a # b'"]
     assert not servers and not skipped
     script, servers, skipped = script_of(blocks[1], os.environ["PATH"])
     assert script == "" and servers == [".venv/bin/mlflow ui --port 5000"] and skipped[0].startswith("no-such-program-here")
@@ -200,7 +203,8 @@ def test_the_parser_reads_bash_blocks_and_skips_the_rest():
 def test_every_command_of_the_readme_runs(tmp_path):
     repo = copy_of_repo(tmp_path)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}  # the README's defaults: MLflow's own
-    env.update(PATH=f"{repo / '.venv' / 'bin'}{os.pathsep}{env['PATH']}", PYTHONPATH=str(repo / "src"))
+    env.update(PATH=f"{Path(sys.prefix) / 'bin'}{os.pathsep}{env['PATH']}", PYTHONPATH=str(repo / "src"))
+    built = built_ops()
     blocks = bash_blocks((ROOT / "README.md").read_text())
     assert blocks, "README.md has no ```bash block"
     failures, skipped = [], []
@@ -218,3 +222,13 @@ def test_every_command_of_the_readme_runs(tmp_path):
                 failures.append(f"$ {command}\n{problem}")
     print("skipped: " + "; ".join(skipped) if skipped else "skipped: none")
     assert not failures, "\n\n".join(failures)
+    rebuilt = sorted(name for name, stamp in built_ops().items() if built.get(name) != stamp)
+    assert not rebuilt, f"the README's commands compiled DeepSpeed ops that setup had built: {rebuilt}"
+
+
+def built_ops() -> dict:
+    """Each op library in torch's extension cache (the one the commands use) -> its modification time."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in root.glob("**/*.so")}

@@ -20,6 +20,7 @@ from conftest import MAPPINGS, TINY_MODEL
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = Path(__file__).parent / "scripts" / "heavy_gpt.py"
 USER_LOGGING = Path(__file__).parent / "scripts" / "user_mlflow_logging.py"
+TIMED = Path(__file__).parent / "scripts" / "timed_gpt.py"  # a sleep in every step: a quiet step time
 pytestmark = pytest.mark.e2e
 QUICK = ["measure.budget_s=1"]  # these sessions test the session, not the measurement (tests/test_measure.py does): a short window
 
@@ -216,19 +217,26 @@ def test_multirun_gives_one_parent_per_job(tmp_path):
 
 
 def test_mlflow_run_in_run_mode_trains_with_the_optimum(tmp_path):
+    """Tune one configuration under `mlflow run`, then train with it: the final training is a child of
+    the run `mlflow run` made, its end-to-end throughput after warm-up on it, and final / tuned on the
+    parent. The script sleeps in every step, so the two measure the same work."""
     config = write_config(tmp_path / "ds.json", [2], 0, tuner_num_trials=1)
     # --env-manager local runs the MLproject's `python` from PATH: this environment's.
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", "PATH": path}
+    script_args = " ".join(["--sleep", "0.06", "--jitter", "0", "--steps", "40", *TINY_MODEL])
     argv = [
         sys.executable, "-m", "mlflow", "run", str(ROOT), "--env-manager", "local",
-        "-P", f"config={config}", "-P", f"script={HEAVY}", "-P", f"script_args={' '.join(TINY_MODEL)} --steps 8",
-        "-P", "num_gpus=2", "-P", "mode=run", "-P", f"results_dir={tmp_path / 'res'}", "-P", f"overrides=search.remeasure=0 {' '.join(QUICK)}",
+        "-P", f"config={config}", "-P", f"script={TIMED}", "-P", f"script_args={script_args}",
+        "-P", "num_gpus=2", "-P", "mode=run", "-P", f"results_dir={tmp_path / 'res'}",
+        "-P", f"overrides=search.remeasure=0 {' '.join(QUICK)} autotuning.exps_dir={tmp_path / 'exps'}",  # `mlflow run` starts it in the checkout
     ]
     proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "final / tuned = " in out
     (parent,) = runs(tmp_path, "session")
-    assert parent.info.run_id in proc.stdout + proc.stderr  # the run `mlflow run` created is the parent
+    assert parent.info.run_id in out  # the run `mlflow run` created is the parent
     assert parent.info.run_name == parent.data.tags["mlautotune.session"]  # renamed after the session
     assert parent.data.params["num_gpus"] == "2" and parent.data.params["launcher.num_gpus"] == "2"  # the CLI's name too, so Compare lines sessions up
     (final,) = runs(tmp_path, "final_training")
@@ -237,6 +245,14 @@ def test_mlflow_run_in_run_mode_trains_with_the_optimum(tmp_path):
     used = json.loads((tmp_path / "res" / "final_training" / "ds_config.json").read_text())
     assert "autotuning" not in used and "mlautotune" not in used
     assert used["train_micro_batch_size_per_gpu"] == 2
+
+    (tuned,) = [r for r in runs(tmp_path, "experiment") if r.data.tags.get("experiment") == "z0_gas1_tmbspg2"]
+    e2e, tuned_tp = final.data.metrics["end_to_end_throughput"], tuned.data.metrics["throughput"]
+    assert parent.data.metrics["final_over_tuned"] == pytest.approx(e2e / tuned_tp)
+    assert 0.25 < parent.data.metrics["final_over_tuned"] < 4  # the same work (no wall-clock bound: the machine may be shared)
+    assert {"interval_rel", "warmup_steps", "measured_steps", "measure_seconds", "disturbed", "threads_per_rank"} <= set(tuned.data.metrics)
+    metrics = json.loads((tmp_path / "res" / "final_training" / "metrics.json").read_text())
+    assert metrics["end_to_end_steps"] == 40 - metrics["first_measured_step"] + 1  # every step after warm-up, to the script's end
 
 
 def hang_report(proc) -> str:
@@ -394,3 +410,43 @@ def test_a_full_disk_ends_the_session_failed_with_the_reason(tmp_path, study_the
         assert "tuning_space" in parent.data.tags["mlflow.note.content"]  # the partial summary, kept in MLflow
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_the_full_run_estimate_in_the_summary_console_and_parent(tmp_path):
+    """planned_tokens / --seq_len 32 gives the samples; two experiments (the ds_config as given,
+    z0_gas1_tmbspg1, and the profiling's micro-batch 4): each one's time is samples / its measured
+    throughput, with its own interval, and the hours saved are the difference."""
+    import re
+
+    samples = 36000
+    config = write_config(tmp_path / "ds.json", 1, 0, tuner_num_trials=2, planned_tokens=samples * 32)
+    code, out = finish(cli(tmp_path, f"config={config}"))
+    assert code == 0, out
+    results = tmp_path / "autotuning_results"
+    (parent,) = runs(tmp_path, "session")
+    children = {r.data.tags["experiment"]: r for r in runs(tmp_path) if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+    assert set(children) == {"z0_gas1_tmbspg1", "z0_gas1_tmbspg4"}
+    best, start = children[parent.data.tags["best_experiment"]], children["z0_gas1_tmbspg1"]
+    hours = lambda child: samples / child.data.metrics["throughput"] / 3600
+    m = parent.data.metrics
+    assert m["estimate.planned_samples"] == samples and parent.data.params["autotuning.planned_tokens"] == str(samples * 32)
+    assert m["estimate.optimum_hours"] == pytest.approx(hours(best))
+    assert m["estimate.optimum_hours_high"] == pytest.approx(hours(best) * (1 + best.data.metrics["interval_rel"]))
+    assert m["estimate.optimum_gpu_hours"] == pytest.approx(2 * hours(best))  # two ranks
+    assert m["estimate.start_hours"] == pytest.approx(hours(start))
+    assert m["estimate.start_hours_low"] == pytest.approx(hours(start) * (1 - start.data.metrics["interval_rel"]))
+    assert m["estimate.saved_hours"] == pytest.approx(hours(start) - hours(best), abs=1e-12)
+    assert m["estimate.saved_hours_low"] <= m["estimate.saved_hours"] <= m["estimate.saved_hours_high"]
+
+    summary = (results / "summary.txt").read_text()
+    assert f"Full-run estimate: {samples * 32:,} tokens (autotuning.planned_tokens) / 32 tokens per sample (--seq_len) = {samples:,} samples." in summary
+    unit = {"h": 1, "min": 1 / 60, "s": 1 / 3600}
+    for label, child in (("At the optimum", best), ("At your starting configuration", start)):
+        found = re.search(rf"{label} {child.data.tags['experiment']}: ([0-9.,]+) (h|min|s) \(", summary)
+        assert found, summary
+        assert float(found.group(1).replace(",", "")) * unit[found.group(2)] == pytest.approx(hours(child), rel=1e-3)  # 4 significant digits
+    assert "Full-run estimate:" in out and "Saved:" in out  # the console's final block is the summary
+    assert parent.data.tags["estimate"].startswith("Full-run estimate:")
+    # mlautotune's own autotuning keys never reach DeepSpeed
+    for used in (results / "z0_gas1_tmbspg1" / "ds_config.json", results / "ds_config_optimal.json"):
+        assert "planned_tokens" not in used.read_text() and "autotuning" not in json.loads(used.read_text())

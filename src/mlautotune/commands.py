@@ -23,7 +23,10 @@ from mlautotune.track.report import (MOSTLY_DISTURBED, PROVENANCE_KEY, budget_te
                                      session_metrics, write_reports)
 from mlautotune.search import METRIC_KEYS, Outcome, Tuner, first_experiments
 from mlautotune.session import SESSION_FILE, Session, hardware_params, open_session
-from mlautotune.inputs.space import plan_text
+from mlautotune.inputs.planned import planned_length, sequence_length
+from mlautotune.inputs.space import experiment_name, plan_text
+from mlautotune.search.candidates import given_batch, given_params, knobs_of_params, params_key
+from mlautotune.track.estimate import Estimate, full_run
 from mlautotune.track.tracking import Tracker, TrackingObserver, child_payload, flatten, mlflow_status, parent_status
 
 
@@ -188,6 +191,7 @@ def finish(session: Session, study, tracker: Tracker, outcome: Outcome, status: 
     record = write_reports(
         session.results_dir, outcome, stages=session.plan.stages, metric=session.at.metric, status=status,
         wall_time_s=wall, session=session.name, optimal_ds_config=ds_optimal, optimal_cmd=cmd, study=study,
+        estimate=run_estimate(session, outcome),
     )
     if best is not None and tracker.run_id_of(best.trial_number):
         record["tags"]["best_run_id"] = tracker.run_id_of(best.trial_number)
@@ -198,6 +202,20 @@ def finish(session: Session, study, tracker: Tracker, outcome: Outcome, status: 
     summary = (session.results_dir / "summary.txt").read_text()
     return {"metrics": record["metrics"], "tags": record["tags"], "artifacts": report_artifacts(session.results_dir),
             "status": parent_status(status), "step": len(study.trials), "params": record.get("params", {}), "note": summary}
+
+
+def run_estimate(session: Session, outcome: Outcome) -> Optional[Estimate]:
+    """The full run's wall time and GPU-hours at the optimum and at the user's starting configuration
+    (the ds_config as given: the session's first experiment when it names one stage and one micro-batch)."""
+    plan = session.plan
+    start, why = given_params(plan, session.ds_config)
+    measured = next((m for m in outcome.measured if start is not None and params_key(m.params) == params_key(start)), None)
+    if start is not None and measured is None:
+        why = f"{experiment_name(start['stage'], start['gas'], start['micro_batch'], knobs_of_params(start))} was not measured in this session"
+    elif measured is not None and measured.final_value is None:
+        why = f"{measured.result.name} ran but gave no time ({measured.result.status})"
+    return full_run(planned_length(session.at, session.script_args, plan.hf_trainer), outcome.best, measured, why, metric=session.at.metric,
+                    world_size=session.world_size, user_batch=given_batch(plan, session.ds_config), tokens=sequence_length(session.script_args))
 
 
 def optimal_cmd(session: Session, params: Dict[str, Any], ds_config: Dict[str, Any]) -> str:

@@ -32,7 +32,8 @@ from mlautotune.search import SearchSettings
 from mlautotune.inputs.space import TuningPlan, build_plan, experiment_config, experiment_name
 
 # Settings that do not change what a session measures: changing them resumes the same session.
-NOT_IDENTITY = ("results_dir", "exps_dir", "overwrite", "tuner_num_trials", "tuner_early_stopping", "experiment_timeout", "final_training_timeout")
+NOT_IDENTITY = ("results_dir", "exps_dir", "overwrite", "tuner_num_trials", "tuner_early_stopping", "experiment_timeout", "final_training_timeout",
+                "planned_steps", "planned_samples", "planned_tokens")
 
 
 @dataclass
@@ -86,6 +87,7 @@ class Session:
             memory_limit_bytes=self.memory_limit_bytes,
             world_size=self.world_size,
             device=self.device,
+            local_ranks=local_ranks(self.resources, self.world_size),
             sampler_target=sampler,
             alone=not self.worker,
         )

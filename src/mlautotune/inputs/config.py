@@ -71,6 +71,10 @@ class AutotuningConf:
     memory_limit_per_rank: Optional[str] = None  # "6GiB", "500MB" or bytes; None -> device memory (GPU) / host RAM share (CPU)
     experiment_timeout: float = 900.0  # seconds per experiment; the whole process group is killed after it
     final_training_timeout: Optional[float] = None  # seconds for mode=run's final training; None: no cap
+    # The full run's length, for the estimate of its wall time and GPU-hours (docs/results.md); at most one.
+    planned_steps: Optional[int] = None  # optimizer steps at the ds_config's batch size
+    planned_samples: Optional[int] = None
+    planned_tokens: Optional[int] = None  # needs the sequence length (--seq_len, --block_size, ... in script_args)
 
 
 @dataclass
@@ -394,6 +398,7 @@ def validate(cfg: DictConfig) -> None:
         raise UserError("autotuning.results_dir or exps_dir is empty.", "Give a folder, or leave the key out for the default (autotuning_results, autotuning_exps).")
     if at.memory_limit_per_rank is not None:
         parse_bytes(at.memory_limit_per_rank)
+    validate_planned(at)
     validate_launcher(cfg.launcher)
     validate_sampler(cfg.search.sampler)
     if cfg.search.heartbeat_seconds < 1:
@@ -413,6 +418,23 @@ def validate(cfg: DictConfig) -> None:
     m = cfg.measure
     if m.target_interval <= 0 or m.budget_s < 0 or m.max_warmup_steps < 0 or m.check_every < 1 or not 0 < m.confidence < 1:
         raise UserError(f"The measure settings are out of range: {dict(m)}.", "Use measure.target_interval > 0, budget_s >= 0, max_warmup_steps >= 0, check_every >= 1 and 0 < confidence < 1 (defaults 0.02, 4.5, 10, 2, 0.95).")
+
+PLANNED_KEYS = ("planned_steps", "planned_samples", "planned_tokens")
+
+
+def validate_planned(at: Any) -> None:
+    """The full run's length: mlautotune's own keys in the autotuning section (DeepSpeed never sees
+    them: no experiment's ds_config has an autotuning section). Each a positive integer, one at most."""
+    given = [k for k in PLANNED_KEYS if at.get(k) is not None]
+    for key in given:
+        value = at[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(f"autotuning.{key}={value!r} is not a positive whole number.",
+                            f"Give the full run's {key.removeprefix('planned_')} as a positive integer, e.g. 20000, or leave {key} out (no full-run estimate then).")
+    if len(given) > 1:
+        raise UserError(f"autotuning.{given[0]} and autotuning.{given[1]} are both given; the full run's length is one of them.",
+                        "Keep one: planned_steps (optimizer steps at the ds_config's batch size), planned_samples, or planned_tokens.")
+
 
 def validate_command(command: str) -> None:
     if command not in COMMANDS:

@@ -37,6 +37,12 @@ class TuningPlan:
     arg_mappings: Dict[str, str] = field(default_factory=dict)  # the user's, plus the HF Trainer's flags for "auto" batch keys
     hf_trainer: bool = False  # a Hugging Face Trainer script: it resolves the ds_config's other "auto" values itself
     data_parallel: int = 1  # data-parallel ranks (world size / mp_size)
+    # Memory savers the search may switch on (search/savers.py): activation checkpointing through the
+    # script's flag (arg_mappings["activation_checkpointing"]), and ZeRO-Offload to this device ("cpu",
+    # or "nvme" where the user's ds_config names an nvme_path); None: not tuned.
+    checkpointing: bool = False
+    offload_device: Optional[str] = None
+    nvme_path: Optional[str] = None
 
     def gas_for(self, mbs: int) -> int:
         """An experiment's gradient accumulation. With max_train_batch_size, as DeepSpeed's autotuner:
@@ -68,6 +74,9 @@ class TuningPlan:
 
 # ---- building the plan -----------------------------------------------------------------------
 HF_MAPPINGS = {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size", "gradient_accumulation_steps": "--gradient_accumulation_steps"}
+CHECKPOINTING_KEY = "activation_checkpointing"  # arg_mappings key of the script's activation checkpointing flag
+HF_CHECKPOINTING_FLAG = "--gradient_checkpointing"
+OFFLOAD_KEYS = ("offload_optimizer", "offload_param")
 BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
 UNUSED_KEYS = {
     "metric_path": "mlautotune's probe writes each experiment's metrics.json itself",
@@ -80,6 +89,7 @@ KNOB_CODES = {
     "contiguous_gradients": "cg", "stage3_prefetch_bucket_size": "pfbs", "stage3_param_persistence_threshold": "ppt",
     "stage3_max_live_parameters": "mlp", "stage3_max_reuse_distance": "mrd", "allgather_partitions": "agp",
     "round_robin_gradients": "rrg", "sub_group_size": "sgs",
+    "activation_checkpointing": "ac", "offload_optimizer": "oo", "offload_param": "op",
 }
 
 
@@ -112,7 +122,7 @@ def build_plan(ds_config: Dict[str, Any], at: Any, space: Any, script_args: List
                 raise UserError(f"zero_optimization.{k} has the value {x!r}, which is not a number or true/false.", f"Give {k} a number, a boolean, or a list of them.")
             knobs[s][k] = [_as_int(x) for x in values]
     fixed_zero = {k: v for k, v in zero.items() if isinstance(v, dict)}  # offload sections etc., carried unchanged
-    tuned = {*BATCH_KEYS, "stage", *(k for s in knobs for k in knobs[s])}
+    tuned = {*BATCH_KEYS, "stage", CHECKPOINTING_KEY, *(k for s in knobs for k in knobs[s])}
     for key in dict(at.arg_mappings or {}):
         if key.strip() not in tuned:
             raise UserError(f"arg_mappings maps {key!r}, which is not a key this session tunes, so its flag would never be set.",
@@ -138,7 +148,33 @@ def build_plan(ds_config: Dict[str, Any], at: Any, space: Any, script_args: List
                        + "; only each accumulation's largest micro-batch is measured (and the largest that fits).")
     base = {k: v for k, v in ds_config.items() if k not in TUNED_TOP_LEVEL}
     base["zero_optimization"] = fixed_zero
-    return TuningPlan(stages, knobs, micro_batch, gas, at.max_train_batch_size, mp, bool(at.fast), base, notices, mappings, hf_trainer, dp)
+    if hf_trainer and CHECKPOINTING_KEY not in mappings:
+        mappings[CHECKPOINTING_KEY] = HF_CHECKPOINTING_FLAG
+    checkpointing = _checkpointing_tuned(mappings, script_args, notices)
+    offload_device, nvme_path = _offload_device(fixed_zero)
+    return TuningPlan(stages, knobs, micro_batch, gas, at.max_train_batch_size, mp, bool(at.fast), base, notices, mappings, hf_trainer, dp,
+                      checkpointing, offload_device, nvme_path)
+
+
+def _checkpointing_tuned(mappings: Dict[str, str], script_args: List[str], notices: List[str]) -> bool:
+    """Activation checkpointing is tuned where a flag is mapped to it and the script's arguments do not set it already."""
+    flag = mappings.get(CHECKPOINTING_KEY)
+    if flag is None:
+        return False
+    if any(a == flag or a.startswith(flag + "=") for a in script_args):
+        notices.append(f"activation checkpointing is not tuned: the script arguments set {flag} already.")
+        return False
+    return True
+
+
+def _offload_device(zero_sections: Dict[str, Any]) -> Tuple[Optional[str], Optional[str]]:
+    """Where the search may offload to: none where the user's ds_config offloads already (then it is
+    the user's), NVMe where one of its offload sections names an nvme_path, else the CPU."""
+    sections = [zero_sections.get(k) or {} for k in OFFLOAD_KEYS]
+    if any(str(sec.get("device", "none")).lower() != "none" for sec in sections):
+        return None, None
+    nvme = next((str(sec["nvme_path"]) for sec in sections if sec.get("nvme_path")), None)
+    return ("nvme", nvme) if nvme else ("cpu", None)
 
 
 def _bounded(rule: MicroBatchRule, at: Any, per_micro_batch: int, notices: List[str]) -> MicroBatchRule:
@@ -289,6 +325,11 @@ def experiment_config(plan: TuningPlan, stage: int, mbs: int, knobs: Dict[str, A
     zero = dict(cfg.get("zero_optimization") or {})
     zero["stage"] = stage
     zero.update(fixed_knobs(plan, stage) if stage in plan.knobs else {})
+    knobs = {k: v for k, v in knobs.items() if k != CHECKPOINTING_KEY}  # a script flag (experiment_args), not a ds_config key
+    for key in OFFLOAD_KEYS:
+        if knobs.pop(key, False):
+            section = {**dict(zero.get(key) or {}), "device": plan.offload_device, "pin_memory": True}
+            zero[key] = {**section, "nvme_path": plan.nvme_path} if plan.offload_device == "nvme" else section
     zero.update({k: _as_int(v) for k, v in knobs.items()})
     cfg["zero_optimization"] = zero
     cfg["train_micro_batch_size_per_gpu"] = int(mbs)
@@ -308,4 +349,8 @@ def plan_text(plan: TuningPlan) -> str:
         tuned = tuned_knobs(plan, s)
         combos = knob_combos(plan, s)
         lines.append(f"z{s}: {len(combos)} knob combination(s) per micro-batch" + ("; tuned: " + ", ".join(f"{k} {v}" for k, v in tuned.items()) if tuned else ""))
+    savers = ([f"activation checkpointing ({plan.arg_mappings[CHECKPOINTING_KEY]})"] if plan.checkpointing else []) + (
+        [f"ZeRO-Offload to {plan.offload_device} (offload_optimizer at stages 1-3, offload_param at stage 3)"] if plan.offload_device else [])
+    if savers:
+        lines.append("memory savers (search.strategy=v3), tried only where the memory model says they let a larger micro-batch fit: " + "; ".join(savers))
     return "\n".join(lines)

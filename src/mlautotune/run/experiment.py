@@ -25,6 +25,7 @@ from mlautotune.errors import UserError
 from mlautotune.files import atomic_write_json, atomic_write_text, inside, read_json
 from mlautotune.run.lifeline import EXPERIMENT_MARK, end_strays, group_members, release_shared_memory, tuner_lifeline
 from mlautotune.inputs.scriptargs import set_deepspeed_config, set_flag
+from mlautotune.inputs.space import CHECKPOINTING_KEY
 
 STATUSES = ("ok", "oom", "timeout", "failed", "incomplete")
 
@@ -117,6 +118,10 @@ def experiment_args(exp: Experiment, ds_config_path: str) -> List[str]:
     """The script's arguments for this experiment: its ds_config, and the arg_mappings flags set to its values."""
     args = set_deepspeed_config(list(exp.script_args), ds_config_path)
     for key, flag in exp.arg_mappings.items():
+        if key.strip() == CHECKPOINTING_KEY:  # a tuned switch of the script's, not a ds_config value: set when on
+            if exp.params.get(CHECKPOINTING_KEY):
+                args = set_flag(args, flag.strip(), "true")
+            continue
         value = lookup(exp.ds_config, key.strip())
         if value is not None and value != "auto":
             args = set_flag(args, flag.strip(), str(value))

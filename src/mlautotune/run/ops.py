@@ -93,9 +93,10 @@ def compatible_ops() -> Dict[str, bool]:
 
 
 def built_here(build_dir: str) -> bool:
-    """The cached build was made from this installation's DeepSpeed and torch: another virtualenv's
-    build has other source and include paths in its build.ninja, and torch would rebuild it on first
-    use, inside an experiment."""
+    """The cached build was made from this installation's DeepSpeed and torch, by the paths this process
+    imports them from: another virtualenv's build has other source and include paths in its
+    build.ninja, and so has a build made through the real path of an environment this process reaches
+    through a link (a linked .venv); torch would rebuild either on first use, inside an experiment."""
     import deepspeed
     import torch
 
@@ -104,8 +105,7 @@ def built_here(build_dir: str) -> bool:
             text = f.read()
     except OSError:
         return False
-    # a path through a link to the environment (a linked .venv) is the same installation
-    return all(any(p(os.path.dirname(m.__file__)) in text for p in (os.path.abspath, os.path.realpath)) for m in (deepspeed, torch))
+    return all(os.path.abspath(os.path.dirname(m.__file__)) in text for m in (deepspeed, torch))
 
 
 def up_to_date(build_dir: str) -> bool:
@@ -228,7 +228,7 @@ def environment_cache(say) -> None:
     import hashlib
 
     default = get_default_build_root()
-    own = os.path.join(default, "env-" + hashlib.sha256(os.path.realpath(sys.prefix).encode()).hexdigest()[:10])
+    own = os.path.join(default, "env-" + hashlib.sha256(os.path.abspath(sys.prefix).encode()).hexdigest()[:10])  # a link: a cache of its own
     fresh = not os.path.isdir(own)  # (torch's look at a build folder creates it)
     if not ((not fresh and _comm_build_here(own)) or _comm_build_elsewhere(default)):
         return

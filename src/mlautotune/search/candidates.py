@@ -3,7 +3,7 @@ micro-batch bounds, and the Optuna distributions every trial's plain params are 
 
 import functools
 import json
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Tuple
 
 from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
 
@@ -61,6 +61,8 @@ def distributions(plan: TuningPlan) -> Dict[str, BaseDistribution]:
                     choices[knob].append(v)
     for knob, values in choices.items():
         dists[knob] = CategoricalDistribution(sorted(values, key=lambda v: (type(v).__name__, v)))
+    saver_keys = (["activation_checkpointing"] if plan.checkpointing else []) + (["offload_optimizer", "offload_param"] if plan.offload_device else [])
+    dists.update({k: CategoricalDistribution([False, True]) for k in saver_keys})  # memory savers (savers.py): switches
     return dists
 
 
@@ -77,3 +79,42 @@ def deepspeed_zero_defaults(stage: int) -> Dict[str, Any]:
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     return DeepSpeedZeroConfig(stage=stage).model_dump(by_alias=True)
+
+
+def given_params(plan: TuningPlan, ds_config: Dict[str, Any]) -> Tuple[Optional[Dict[str, Any]], str]:
+    """The user's starting configuration, the ds_config as given, under the params the search records
+    (params, ""), or (None, why the ds_config is no single configuration). Its stage, micro-batch and
+    gradient accumulation are the user's; a knob the user leaves out is at DeepSpeed's default."""
+    zero = ds_config.get("zero_optimization")
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    if isinstance(stage, list) and len(stage) == 1:
+        stage = stage[0]
+    if not isinstance(stage, int) or isinstance(stage, bool):
+        return None, f"the ds_config names the stages {json.dumps(stage)}, not one"
+    mbs = given_micro_batch(plan, ds_config)
+    if mbs is None:
+        return None, f"the ds_config lists the micro-batch sizes {ds_config.get('train_micro_batch_size_per_gpu')}, not one"
+    knobs, defaults = {}, deepspeed_zero_defaults(stage)
+    user = zero if isinstance(zero, dict) else {}
+    for knob in tuned_knobs(plan, stage):
+        value = user.get(knob, defaults.get(knob))
+        if isinstance(value, list):
+            return None, f"the ds_config lists several values of zero_optimization.{knob}, not one"
+        knobs[knob] = value
+    return {"stage": stage, "micro_batch": int(mbs), "gas": plan.gas, **knobs}, ""
+
+
+def given_micro_batch(plan: TuningPlan, ds_config: Dict[str, Any]) -> Optional[int]:
+    """The ds_config's micro-batch size when it gives one ("auto": the script's flag, as the plan read
+    it; none: 1, the smallest), None when it lists several."""
+    mbs = ds_config.get("train_micro_batch_size_per_gpu")
+    if isinstance(mbs, list):
+        return int(mbs[0]) if len(mbs) == 1 else None
+    return int(plan.micro_batch.values[0]) if mbs is None or mbs == "auto" else int(mbs)
+
+
+def given_batch(plan: TuningPlan, ds_config: Dict[str, Any]) -> Optional[int]:
+    """The ds_config's samples per optimizer step (micro-batch x gradient accumulation x data-parallel
+    ranks), when it gives one micro-batch size."""
+    mbs = given_micro_batch(plan, ds_config)
+    return mbs * plan.gas * plan.data_parallel if mbs is not None else None

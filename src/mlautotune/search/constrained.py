@@ -8,12 +8,14 @@ fast mode) at every allowed micro-batch:
 - with max_train_batch_size the global batch is fixed: only the sizes that fill it
   (mbs x gas x data-parallel ranks, the largest micro-batch at each gas: TuningPlan.fills_batch).
 Always at most the micro-batch cap, and only where the memory model gives the configuration a
-chance to fit (P(fits) of at least MIN_P_FIT).
+chance to fit (P(fits) of at least MIN_P_FIT). The memory savers (savers.py) add their
+configurations where the memory model says they let a larger micro-batch fit.
 """
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from mlautotune.inputs.space import TuningPlan
+from mlautotune.search import savers
 from mlautotune.search.candidates import stage_knob_combos, with_knobs
 from mlautotune.search.fits import FitModel
 
@@ -43,8 +45,9 @@ def sizes(plan: TuningPlan) -> List[int]:
     return ladder(low, cap)
 
 
-def candidates(plan: TuningPlan, stages: List[int], fit: FitModel) -> List[Tuple[Dict[str, Any], float]]:
-    """Every configuration of the space, with its P(fits)."""
+def candidates(plan: TuningPlan, stages: List[int], fit: FitModel, notes: Optional[List[str]] = None) -> List[Tuple[Dict[str, Any], float]]:
+    """Every configuration of the space, with its P(fits); and the memory savers' where they let a
+    larger micro-batch fit (savers.py)."""
     allowed = sizes(plan)
     free = plan.micro_batch.mode == "min" and not plan.max_train_batch_size
     out = []
@@ -57,4 +60,4 @@ def candidates(plan: TuningPlan, stages: List[int], fit: FitModel) -> List[Tuple
                 here.add(int(edge))
             here = sorted(here)
             out += [(with_knobs(plan, stage, mbs, knobs), p) for mbs, p in zip(here, fit.p_fits(first, here)) if p >= MIN_P_FIT]
-    return out
+    return out + [(p, q) for p, q in savers.candidates(plan, fit, allowed, notes) if q >= MIN_P_FIT]

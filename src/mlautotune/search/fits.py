@@ -21,7 +21,8 @@ by the probability that it is under. P(fits) of a configuration is the weighted 
 under the limit (each draw's limit spread by ALLOCATOR_SLACK: the allocator's soft edge).
 Two facts stay hard: a knob set that ran at a micro-batch fits every
 smaller one, and an OOM at a micro-batch means every larger one of the stage with no fewer buffers
-runs out too.
+(and the same memory savers) runs out too. The memory savers (savers.py) enter through the memory
+model's prediction: offload removes states, checkpointing scales the growth per sample.
 """
 
 import math
@@ -30,7 +31,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from mlautotune.search.candidates import base_knobs, knobs_of_params
-from mlautotune.search.memory import MemoryModel
+from mlautotune.search.memory import MemoryModel, savers_of
 
 SLOPE_GRID = 128  # values of the growth per sample, log-spaced from 1e-7 of the limit to the limit
 DRAWS_PER_SLOPE = 16
@@ -71,7 +72,7 @@ class FitModel:
         self.element_bytes = 2 if memory is not None and memory.half else 4
         self.ok_at: Dict[tuple, int] = {}  # stage+knobs -> largest micro-batch that ran
         self.oom_at: Dict[tuple, int] = {}  # stage+knobs -> smallest micro-batch that ran out of memory
-        self.ooms: List[Tuple[int, float, int]] = []  # (stage, buffer bytes, micro-batch) of every OOM
+        self.ooms: List[Tuple[int, float, int, tuple]] = []  # (stage, buffer bytes, micro-batch, savers) of every OOM
         outcomes = []
         for m in runs:
             key, mbs = group(m.params), m.params["micro_batch"]
@@ -80,7 +81,7 @@ class FitModel:
                 outcomes.append((m.params, "ok", m.result.metrics.get("peak_memory_bytes")))
             elif m.result.status == "oom":
                 self.oom_at[key] = min(self.oom_at.get(key, mbs), mbs)
-                self.ooms.append((m.params["stage"], self._buffers(m.params), mbs))
+                self.ooms.append((m.params["stage"], self._buffers(m.params), mbs, tuple(sorted(savers_of(m.params)))))
                 outcomes.append((m.params, "oom", None))
         self.limit = memory.limit if memory is not None else None
         self.usable = memory is not None and self.limit is not None and memory.fixed is not None
@@ -146,10 +147,11 @@ class FitModel:
 
     def peaks(self, params: Dict[str, Any], sizes: Sequence[int]) -> np.ndarray:
         """Each draw's peak (bytes) at each size: len(sizes) x draws."""
-        stage = params["stage"]
+        stage, savers = params["stage"], savers_of(params)
         m = np.asarray(sizes, dtype=float)[:, None]
-        base = np.array([self.memory.predict(stage, int(x)) for x in sizes], dtype=float)[:, None]
-        return base + (self.s - self.slope) * (m - self.anchor[stage]) + self.b * self._shift(params) + self.d[stage]
+        base = np.array([self.memory.predict(stage, int(x), savers) for x in sizes], dtype=float)[:, None]
+        growth = (self.s - self.slope) * (self.memory.per_sample_with(savers) / self.slope if savers else 1.0)  # checkpointing scales it
+        return base + growth * (m - self.anchor[stage]) + self.b * self._shift(params) + self.d[stage]
 
     def effective_draws(self) -> float:
         return float(1.0 / np.sum(self.w**2)) if self.usable else 0.0
@@ -197,7 +199,8 @@ class FitModel:
         key = group(params)
         if key not in self._curves:
             buffers = self._buffers(params)
-            fails = [at for stage, b, at in self.ooms if stage == params["stage"] and buffers >= b]  # an OOM with no more buffers
+            savers = tuple(sorted(savers_of(params)))
+            fails = [at for stage, b, at, sv in self.ooms if stage == params["stage"] and buffers >= b and sv == savers]  # an OOM with no more buffers
             self._curves[key] = (self.ok_at.get(key, 0), min([self.oom_at.get(key, math.inf), *fails]))
         fits_up_to, fails_from = self._curves[key]
         if self.usable:

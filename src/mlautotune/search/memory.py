@@ -16,6 +16,22 @@ micro-batch at or above it is predicted to fit, in that stage or in any stage wi
 rank. In a stage with no successful run yet, an OOM also calibrates: its peak (at least the limit)
 is a lower bound on the stage's fixed part, so the next prediction lands below it by the right
 amount instead of one micro-batch lower.
+
+Memory savers (savers.py: tuned where the plan has them) change two terms:
+- activation checkpointing multiplies the per-sample part by CHECKPOINT_FACTOR, an estimate: a
+  checkpointed layer keeps only its input (2 s h bytes of the ~34 s h + 5 a s^2 a layer keeps,
+  Korthikanti et al.), and one layer's full set is rebuilt at a time in the backward, so a model of
+  L layers keeps ~1/L + 0.06 of its activations; the logits are not checkpointed. 0.35 is that for
+  a 4-layer model with its logits, on the safe side for deeper ones. Once a checkpointed run has
+  measured its peak, the factor is the one its peaks show (their median, per-sample part over the
+  plain per-sample slope); a checkpointed run that ran out of memory, before any fitted, raises the
+  factor to what its micro-batch implies.
+- ZeRO-Offload removes from the device what it moves to the host: offload_optimizer the fp32
+  master weights and optimizer states (and their fp32 gradients), offload_param (stage 3) the
+  weights. Their host memory is `host_bytes` (per rank), checked against the host's RAM by savers.py.
+A run with offload alone is a point of the plain fit, its peak raised by the states it moved (its
+activations and buffers are the plain ones); a checkpointed run is a point of its own curve. A run
+with savers that ran out of memory bounds only configurations with the same savers.
 """
 
 from typing import Any, Dict, List, Optional
@@ -27,10 +43,20 @@ PRIOR_PER_SAMPLE_FRACTION = 0.02  # before two micro-batch sizes are measured: 2
 MAX_MICRO_BATCH = 1 << 16
 MIN_PER_SAMPLE = 1.0  # bytes: the fitted growth per sample is at least this (peaks that do not grow)
 SECANT_RATIO = 1.5  # runs closer than this in micro-batch do not tell memory growth from allocator steps
+CHECKPOINT_FACTOR = 0.35  # activation checkpointing's share of the per-sample memory, before a checkpointed run measures it
+CHECKPOINT_FACTOR_RANGE = (0.02, 1.0)
+SAVER_KEYS = ("activation_checkpointing", "offload_optimizer", "offload_param")
+
+
+def savers_of(params: Optional[Dict[str, Any]]) -> Dict[str, bool]:
+    """The savers switched on in these params (an absent key is off)."""
+    return {k: True for k in SAVER_KEYS if params and params.get(k)}
 
 
 class MemoryModel:
-    def __init__(self, num_params: int, trainable_params: int, ds_config: Dict[str, Any], world_size: int, mp_size: int, limit_bytes: Optional[int], device: str):
+    def __init__(self, num_params: int, trainable_params: int, ds_config: Dict[str, Any], world_size: int, mp_size: int, limit_bytes: Optional[int], device: str,
+                 host_memory: Optional[int] = None, local_ranks: int = 1):
+        self.host_memory, self.local_ranks = host_memory, max(1, local_ranks)  # a node's RAM and ranks: offload's host check
         self.num_params, self.trainable_params = num_params, trainable_params
         self.mp = max(1, mp_size)
         self.dp = max(1, world_size // self.mp)
@@ -48,9 +74,16 @@ class MemoryModel:
         self.per_sample: Optional[float] = None
         self.stage_fixed: Dict[int, float] = {}
         self._errors: List[Dict[str, Any]] = []
+        self.saver_points: List[tuple] = []  # (stage, savers key, mbs, peak, oom) of runs with a saver
+        self.saver_oom_at: Dict[tuple, int] = {}  # (stage, savers key) -> smallest micro-batch seen to OOM
+        self.checkpoint_factor = CHECKPOINT_FACTOR
+        self.checkpoint_measured = False
+        self.per_sample_bounded = False  # the per-sample growth is an OOM's lower bound (_bound_per_sample)
 
-    def model_states(self, stage: int) -> float:
-        """Bytes per rank for parameters, gradients, fp32 master copy and optimizer states."""
+    def model_states(self, stage: int, savers: Optional[Dict[str, bool]] = None) -> float:
+        """Bytes per rank for parameters, gradients, fp32 master copy and optimizer states (on the
+        device: less what the user's or the tuned offload moves to the host)."""
+        savers = savers or {}
         p, t = self.num_params / self.mp, self.trainable_params / self.mp
         params = p * (2 if self.half else 4)
         grads = t * (2 if self.half else 4)
@@ -62,16 +95,30 @@ class MemoryModel:
             grads /= self.dp
         if stage >= 3:
             params /= self.dp
-        if self.offload_optimizer:
+        if self.offload_optimizer or (savers.get("offload_optimizer") and stage >= 1):
             optim = master = 0.0
-        if self.offload_param:
+        if self.offload_param or (savers.get("offload_param") and stage >= 3):
             params = 0.0
         return params + grads + master + optim
 
-    def predict(self, stage: int, mbs: int) -> float:
-        fixed = self.fixed_part(stage)
+    def host_bytes(self, stage: int, savers: Optional[Dict[str, bool]] = None) -> float:
+        """Host memory per rank that the tuned offload takes: the optimizer states, fp32 master
+        weights and fp32 gradients of the rank's partition (offload_optimizer, 4 + 4 + optimizer
+        bytes per parameter: 16 with Adam), the half weights (offload_param, stage 3)."""
+        savers = savers or {}
+        t = self.trainable_params / self.mp / (self.dp if stage >= 1 else 1)
+        total = t * (8 + self.optimizer_bytes) if savers.get("offload_optimizer") else 0.0
+        if savers.get("offload_param") and stage >= 3:
+            total += self.num_params / self.mp / self.dp * (2 if self.half else 4)
+        return total
+
+    def per_sample_with(self, savers: Optional[Dict[str, bool]] = None) -> float:
         per_sample = self.per_sample if self.per_sample is not None else 0.0
-        return fixed + self.model_states(stage) + per_sample * mbs
+        return per_sample * (self.checkpoint_factor if (savers or {}).get("activation_checkpointing") else 1.0)
+
+    def predict(self, stage: int, mbs: int, savers: Optional[Dict[str, bool]] = None) -> float:
+        fixed = self.fixed_part(stage)
+        return fixed + self.model_states(stage, savers) + self.per_sample_with(savers) * mbs
 
     def fixed_part(self, stage: int) -> float:
         """The stage's own fixed part; for a stage not run yet, that of the nearest stage that ran (the
@@ -82,12 +129,17 @@ class MemoryModel:
         near = sorted(self.stage_fixed, key=lambda s: (abs(s - stage), -s))
         return self.stage_fixed[near[0]] if near else 0.0  # nothing has run yet: nothing fitted
 
-    def observe(self, stage: int, mbs: int, peak_bytes: Optional[int], oom: bool) -> None:
+    def observe(self, stage: int, mbs: int, peak_bytes: Optional[int], oom: bool, savers: Optional[Dict[str, bool]] = None) -> None:
         """One measured peak (an OOM's peak may be unknown: a real accelerator OOM reports none)."""
         if oom:
             peak_bytes = max(peak_bytes or 0, (self.limit or 0) + 1)
         elif not peak_bytes:
             return
+        if savers and (oom or savers.get("activation_checkpointing")):
+            self._observe_saver(stage, mbs, peak_bytes, oom, savers)
+            return
+        if savers:  # offload changes the states only: the run is a point of the plain curve, as if not offloaded
+            peak_bytes = int(peak_bytes + self.model_states(stage) - self.model_states(stage, savers))
         if self.fixed is not None and not oom:
             predicted = self.predict(stage, mbs)
             self._errors.append({"stage": stage, "mbs": mbs, "predicted": predicted, "measured": peak_bytes, "rel_error": (predicted - peak_bytes) / peak_bytes})
@@ -98,11 +150,38 @@ class MemoryModel:
                     self.oom_at[s] = min(self.oom_at.get(s, mbs), mbs)
         self._fit()
 
+    def _observe_saver(self, stage: int, mbs: int, peak_bytes: int, oom: bool, savers: Dict[str, bool]) -> None:
+        key = (stage, tuple(sorted(savers)))
+        self.saver_points.append((stage, key[1], mbs, peak_bytes, oom))
+        if oom:
+            self.saver_oom_at[key] = min(self.saver_oom_at.get(key, mbs), mbs)
+        self._fit()
+
+    def _fit_checkpoint_factor(self) -> None:
+        """The checkpointing factor its measured peaks show: each run's memory above the fixed part and
+        the states, per sample, over the plain per-sample slope (once that slope is measured)."""
+        if self.fixed is None or not self.per_sample or not any(not oom for *_, oom in self.points) or not self.per_sample_measured():
+            return
+        ratios, bounds = [], []
+        for stage, keys, mbs, peak, oom in self.saver_points:
+            if "activation_checkpointing" not in keys:
+                continue
+            savers = dict.fromkeys(keys, True)
+            (bounds if oom else ratios).append((peak - self.fixed_part(stage) - self.model_states(stage, savers)) / (self.per_sample * mbs))
+        lo, hi = CHECKPOINT_FACTOR_RANGE
+        if ratios:
+            self.checkpoint_factor = float(min(max(np.median(ratios), lo), hi))
+            self.checkpoint_measured = True
+        elif bounds:  # a checkpointed OOM: at its micro-batch the peak passed the limit, so the factor is at least that
+            self.checkpoint_factor = float(min(max(CHECKPOINT_FACTOR, *bounds), hi))
+
     def _fit(self) -> None:
         """per_sample: least squares within each stage (each stage has its own intercept); fixed:
         per stage from its own runs, or, for a stage with only OOMs, its nearest run stage's raised
         to what the OOMs imply."""
         ok = [(s, m, peak - self.model_states(s)) for s, m, peak, oom in self.points if not oom]
+        if not ok:  # only checkpointed runs (nothing ran without it): each is a plain point at factor x its micro-batch
+            ok = [(s, m * self.checkpoint_factor, peak - self.model_states(s, dict.fromkeys(k, True))) for s, k, m, peak, oom in self.saver_points if not oom]
         if not ok:
             return
         num = den = 0.0
@@ -116,15 +195,32 @@ class MemoryModel:
         for stage in sorted({s for s, _, _, _ in self.points} - set(self.stage_fixed)):
             bounds = [peak - self.model_states(s) - self.per_sample * m for s, m, peak, oom in self.points if s == stage and oom]
             self.stage_fixed[stage] = max([self.fixed_part(stage), *(b + 1 for b in bounds)])
+        self._bound_per_sample()
+        self._fit_checkpoint_factor()
+
+    def _bound_per_sample(self) -> None:
+        """Before two sizes have run, an offloaded run that ran out of memory, in a stage with a fitted
+        fixed part, bounds the per-sample growth from below: at its micro-batch the peak passed the limit."""
+        self.per_sample_bounded = False
+        if self.per_sample_measured() or self.limit is None:
+            return
+        for stage, keys, mbs, peak, oom in self.saver_points:
+            if oom and "activation_checkpointing" not in keys and stage in self.stage_fixed and mbs > 0:
+                bound = (peak - self.stage_fixed[stage] - self.model_states(stage, dict.fromkeys(keys, True))) / mbs
+                if bound > (self.per_sample or 0.0):
+                    self.per_sample, self.per_sample_bounded = bound, True
 
     def fits(self, stage: int, mbs: int) -> bool:
         if stage in self.oom_at and mbs >= self.oom_at[stage]:
             return False
         return self.limit is None or self.fixed is None or self.predict(stage, mbs) <= self.limit
 
-    def max_micro_batch(self, stage: int, cap: Optional[int] = None, headroom: float = 0.0) -> int:
+    def max_micro_batch(self, stage: int, cap: Optional[int] = None, headroom: float = 0.0, savers: Optional[Dict[str, bool]] = None) -> int:
         """The largest micro-batch predicted to fit (0 if none), at most `cap`; with `headroom`, the
-        largest predicted to leave that fraction of the limit free."""
+        largest predicted to leave that fraction of the limit free. With savers: that curve's edge
+        (below its own OOMs; the plain curve's curvature is not carried over)."""
+        if savers:
+            return self._saver_max_micro_batch(stage, cap, headroom, savers)
         top = min(x for x in (cap, self.oom_at.get(stage, MAX_MICRO_BATCH + 1) - 1, MAX_MICRO_BATCH) if x is not None)
         if self.limit is None or self.fixed is None or not self.per_sample:
             return top
@@ -133,6 +229,15 @@ class MemoryModel:
         for ratio, top_run, excess in self._curvature():  # beyond a run where memory grew faster than its line
             if room > top_run:
                 room = top_run + (limit - self.predict(stage, top_run) - excess) / (self.per_sample * ratio)
+        return max(0, min(top, int(room)))
+
+    def _saver_max_micro_batch(self, stage: int, cap: Optional[int], headroom: float, savers: Dict[str, bool]) -> int:
+        oom = self.saver_oom_at.get((stage, tuple(sorted(savers))), MAX_MICRO_BATCH + 1)
+        top = min(x for x in (cap, oom - 1, MAX_MICRO_BATCH) if x is not None)
+        per_sample = self.per_sample_with(savers)
+        if self.limit is None or self.fixed is None or not per_sample:
+            return top
+        room = (self.limit * (1.0 - headroom) - self.predict(stage, 0, savers)) / per_sample
         return max(0, min(top, int(room)))
 
     def _curvature(self) -> List[tuple]:
@@ -164,10 +269,13 @@ class MemoryModel:
 
     def per_sample_measured(self) -> bool:
         """Whether the per-sample slope comes from runs (two sizes in one stage), not the prior."""
-        sizes: Dict[int, set] = {}
+        sizes: Dict[Any, set] = {}
         for s, m, _, oom in self.points:
             if not oom:
                 sizes.setdefault(s, set()).add(m)
+        for s, k, m, _, oom in self.saver_points:
+            if not oom:
+                sizes.setdefault((s, k), set()).add(m)
         return any(len(v) >= 2 for v in sizes.values())
 
     def feasible(self, stage: int) -> bool:

@@ -9,7 +9,7 @@ succeeds, the same exception from the script in two stages ends the session: no 
 
 from typing import Any, Dict, List, Optional, Tuple
 
-from mlautotune.search.memory import MemoryModel
+from mlautotune.search.memory import SAVER_KEYS, MemoryModel, savers_of
 from mlautotune.search.candidates import base_knobs, base_params, knobs_of_params, params_key, with_knobs
 from mlautotune.search.ledger import Measured
 from mlautotune.search.step import Step
@@ -32,11 +32,13 @@ class Profiling:
             num_params=int(info["num_params"]), trainable_params=int(info.get("trainable_num_params", info["num_params"])),
             ds_config=plan.base_config, world_size=s.world_size, mp_size=plan.mp_size,
             limit_bytes=int(s.memory_limit_bytes or 0) or None, device=s.device,
+            host_memory=s.host_memory_bytes or host_memory(), local_ranks=s.local_ranks,
         )
-        for m in runs:  # knobs change memory (buckets): the model learns from default-knob runs only
+        for m in runs:  # knobs change memory (buckets): the model learns from default-knob runs only (with or without savers)
             peak = m.result.metrics.get("peak_memory_bytes")
-            if m.result.status in ("ok", "oom") and knobs_of_params(m.params) == base_knobs(plan, m.params["stage"]):
-                model.observe(m.params["stage"], m.params["micro_batch"], int(peak) if peak else None, m.result.status == "oom")
+            knobs = {k: v for k, v in knobs_of_params(m.params).items() if k not in SAVER_KEYS}
+            if m.result.status in ("ok", "oom") and knobs == base_knobs(plan, m.params["stage"]):
+                model.observe(m.params["stage"], m.params["micro_batch"], int(peak) if peak else None, m.result.status == "oom", savers_of(m.params))
         return model
 
     def step(self, runs: List[Measured], taken: set) -> Optional[Step]:
@@ -119,6 +121,13 @@ class Profiling:
             self.st.note(f"z{stage}: skipped, the memory model predicts OOM at micro-batch {self.st.low}")
             return False
         return True
+
+
+def host_memory() -> int:
+    """This host's RAM (the nodes of a session are taken to be alike): offload's host check."""
+    import psutil
+
+    return int(psutil.virtual_memory().total)
 
 
 def first_experiments(plan: TuningPlan) -> List[Dict[str, Any]]:

@@ -8,6 +8,7 @@ import optuna
 
 from mlautotune.run.experiment import Experiment, Result
 from mlautotune.run.measure import cut_short_note
+from mlautotune.search import savers
 from mlautotune.search.candidates import distributions
 from mlautotune.search.ledger import Ledger, Measured
 from mlautotune.search.settings import SearchSettings
@@ -150,4 +151,5 @@ class Tuner:
         stage_best = {s: b for s in self.plan.stages if (b := self.strategy.best([m for m in runs if m.params["stage"] == s])) is not None}
         best, st = self.best(), self.strategy
         ties = sorted((m for m in runs if m.value is not None and m is not best and st.tied(best, m)), key=lambda m: -st.score(m.final_value)) if best else []
-        return Outcome(best, stage_best, list(runs), self.launched, list(self.notes), ties, list(self.left))
+        said = savers.verdict(best, runs, st.score)  # which won, with the memory savers or without, and why
+        return Outcome(best, stage_best, list(runs), self.launched, list(self.notes) + ([said] if said else []), ties, list(self.left))

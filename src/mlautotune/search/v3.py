@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from mlautotune.inputs.space import TuningPlan, tuned_knobs
-from mlautotune.search import constrained
+from mlautotune.search import constrained, savers
 from mlautotune.search.acquisition import gain, overlap, per_second, relative
 from mlautotune.search.candidates import params_key
 from mlautotune.search.ledger import Ledger, Measured
@@ -61,6 +61,7 @@ class SearchV3(StrategyBase):
         for stage in plan.stages:
             for k, vs in tuned_knobs(plan, stage).items():
                 values.setdefault(k, []).extend(vs)
+        values.update(savers.encoder_values(plan))  # the memory savers' switches are inputs like the knobs
         self.encoder = Encoder(values)
         self._fitted: Tuple[Any, Optional[ThroughputModel]] = (None, None)
         self._fits: Tuple[Any, Optional[FitModel]] = (None, None)
@@ -117,12 +118,19 @@ class SearchV3(StrategyBase):
         self.pending_repeats = ledger.pending_repeats
         self.memory = self.memory_model(runs)
         step = self.profiling.step(runs, taken)
+        if step is None and (offload := savers.bootstrap(self.plan, runs, taken, self.s.device)) is not None:
+            return Step(offload, "every stage ran out of memory at the smallest micro-batch: ZeRO-Offload")
         if step is not None or not any(m.ok for m in runs):
             return step
         stages = [s for s in self.plan.stages if self.profiling.feasible(s)]
         fit = self.fit_model(runs)
-        space = [(p, q) for p, q in constrained.candidates(self.plan, stages, fit) if params_key(p) not in taken]
+        said: List[str] = []
+        space = [(p, q) for p, q in constrained.candidates(self.plan, stages, fit, said) if params_key(p) not in taken]
+        for text in said:
+            self.note(text)
         untried, p_fit = [p for p, _ in space], [q for _, q in space]
+        if self.kind == "model_based" and (look := savers.first_look(space, runs, self.pending_params)) is not None:
+            return Step(*look)
         if self.kind != "model_based":
             return self.sampler_step(untried, p_fit, runs, taken, ledger)
         return self.acquisition_step(untried, p_fit, runs)

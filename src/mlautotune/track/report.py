@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional
 
 from mlautotune.files import atomic_write_json, atomic_write_text
 from mlautotune.search import METRIC_KEYS, Measured, Outcome, experiments_in
+from mlautotune.track.estimate import Estimate
 
 PROVENANCE_KEY = "mlautotune"
 STATUSES = ("ok", "oom", "timeout", "failed", "incomplete")
@@ -177,8 +178,10 @@ def write_reports(
     optimal_ds_config: Optional[Dict[str, Any]],
     optimal_cmd: Optional[str],
     study: Any = None,
+    estimate: Optional[Estimate] = None,
 ) -> Dict[str, Any]:
-    """Write every output file; return the session record (also saved as session.json)."""
+    """Write every output file; return the session record (also saved as session.json). `estimate`:
+    the full run's (track/estimate.py), a block of summary.txt and the parent's estimate.* metrics."""
     results_dir.mkdir(parents=True, exist_ok=True)
     best = outcome.best
     header = {
@@ -206,6 +209,8 @@ def write_reports(
             lines.append("Within the measurement interval of it, so as good as far as these measurements tell: "
                          + ", ".join(f"{m.result.name} {m.final_value:.6g} (+-{m.interval:.1%})" for m in outcome.ties[:MAX_TIES_SHOWN])
                          + (f" and {len(outcome.ties) - MAX_TIES_SHOWN} more (trials.csv)" if len(outcome.ties) > MAX_TIES_SHOWN else ""))
+    if best is not None and estimate is not None:
+        lines += estimate.lines
     lines += [f"Note: {n}" for n in outcome.notes]
     if disturbed["disturbed"]:
         lines.append(disturbance_text(disturbed))
@@ -231,11 +236,12 @@ def write_reports(
     record = {
         "status": status,
         "session": session,
-        "metrics": session_metrics(outcome, metric, wall_time_s, launches),
+        "metrics": {**session_metrics(outcome, metric, wall_time_s, launches), **(estimate.metrics if estimate else {})},
         "tags": {"status": status, "best_experiment": best.result.name if best else "", "metric": metric, "search": search_label(outcome),
                  **({"disturbed": f"{disturbed['disturbed']} of {disturbed['measured']} measurements" + (f": {disturbed['cause']}" if disturbed["cause"] else "")}
                     if disturbed["measured"] else {}),
-                 **({"search_left": " ".join(outcome.left)} if outcome.budget_stopped else {})},
+                 **({"search_left": " ".join(outcome.left)} if outcome.budget_stopped else {}),
+                 **({"estimate": estimate.tag} if estimate and best is not None else {})},
         "params": best_params(outcome),
         "ties": [m.result.name for m in outcome.ties],
     }
