@@ -1,0 +1,39 @@
+"""The throughput model (search/model.py): a GP on log throughput whose kernel adds what the stage and sizes
+give to what the knobs give, with the memory pressure as an input. Pure logic, no launches."""
+
+import math
+
+from mlautotune.search.model import Encoder, Observation, ThroughputModel
+
+KNOBS = {"overlap_comm": [True, False], "reduce_bucket_size": [50_000_000, 500_000_000]}
+
+
+def p(mbs, oc, rb=500_000_000, stage=2):
+    return {"stage": stage, "micro_batch": mbs, "gas": 1, "overlap_comm": oc, "reduce_bucket_size": rb}
+
+
+def fitted(points, pressure=None):
+    obs = [Observation(params, math.log(value), 0.01**2) for params, value in points]
+    return ThroughputModel(Encoder(KNOBS), 0, pressure).fit(obs)
+
+
+def test_a_knob_effect_measured_at_small_micro_batches_carries_to_large_ones():
+    """overlap_comm is worth +20% at micro-batches 2 and 4; at 64 only the plain knobs ran, along a curve that
+    zigzags (allocator steps): the model must expect overlap_comm to win at 64 too. A product kernel, whose
+    micro-batch length scale the zigzag makes short, forgets the effect that far away."""
+    plain = {2: 10.0, 4: 14.0, 8: 11.0, 16: 16.0, 32: 12.0, 64: 17.0}
+    points = [(p(m, False), v) for m, v in plain.items()] + [(p(m, True), 1.2 * plain[m]) for m in (2, 4)]
+    mu, _ = fitted(points).predict([p(64, True), p(64, False)])
+    assert mu[0] - mu[1] > math.log(1.12)
+
+
+def test_memory_pressure_lets_the_model_expect_a_drop_near_the_edge():
+    """The plain knobs' throughput grows until memory is nearly full (micro-batch 16), then falls. overlap_comm
+    holds more buffers, so its memory is nearly full at 12 already: with the pressure as an input, the model
+    expects overlap_comm at 12 to be slower than at 8 (by the micro-batch alone it would be faster)."""
+    fill = {False: {2: 0.2, 4: 0.3, 8: 0.5, 12: 0.7, 16: 0.97}, True: {2: 0.3, 4: 0.45, 8: 0.75, 12: 0.97}}
+    pressure = lambda q: fill[q["overlap_comm"]][q["micro_batch"]]  # noqa: E731
+    value = {2: 10.0, 4: 14.0, 8: 19.0, 12: 22.0, 16: 15.0}
+    points = [(p(m, False), value[m]) for m in (2, 4, 8, 12, 16)] + [(p(m, True), value[m] * 1.05) for m in (2, 4, 8)]
+    (at12, at8), _ = fitted(points, pressure).predict([p(12, True), p(8, True)])
+    assert at12 < at8
