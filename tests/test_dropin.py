@@ -69,6 +69,14 @@ def test_every_deepspeed_autotuning_key_plans(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.json"]  # plan writes nothing
 
 
+def test_deepspeed_step_search_settings_the_search_does_not_read_are_accepted_and_said_so(cfg):
+    quiet = plan_of(cfg, {"autotuning": {"enabled": True, "tuner_early_stopping": 5, "num_tuning_micro_batch_sizes": 3}})
+    assert not any("tuner_early_stopping" in n or "num_tuning_micro_batch_sizes" in n for n in quiet.notices)  # DeepSpeed's defaults
+    told = plan_of(cfg, {"autotuning": {"enabled": True, "tuner_early_stopping": 20, "num_tuning_micro_batch_sizes": 5}})
+    assert any(n.startswith("autotuning.tuner_early_stopping=20 is accepted but not used: the search ends by its own stop rule") for n in told.notices)
+    assert any(n.startswith("autotuning.num_tuning_micro_batch_sizes=5 is accepted but not used") for n in told.notices)
+
+
 def test_micro_batch_bounds_reach_the_plan_and_the_first_experiments(cfg):
     ds = {"train_micro_batch_size_per_gpu": 2, "autotuning": {"enabled": True, "min_train_micro_batch_size_per_gpu": 3, "max_train_micro_batch_size_per_gpu": 8}}
     plan = plan_of(cfg, ds)
