@@ -239,7 +239,7 @@ def test_hf_trainer_script_tunes_with_auto_and_no_arg_mappings_and_its_optimal_c
     (tmp_path / "ds.json").write_text(json.dumps(ds, indent=2))
     script_args = "--deepspeed ds.json --output_dir out --max_steps 8 --report_to none --save_strategy no --logging_steps 100"
     proc = subprocess.run([sys.executable, "-m", "mlautotune", "config=ds.json", f"script={HF_SCRIPT}", f"script_args='{script_args}'",
-                           "launcher.num_gpus=2", f"launcher.master_port={PORT}", "tracking.enabled=false", "search.remeasure=0", "measure.budget_s=1"],
+                           "launcher.num_gpus=2", f"launcher.master_port={PORT}", "tracking.enabled=false", "measure.budget_s=1"],
                           cwd=tmp_path, capture_output=True, text=True, env=SRC_ENV, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = tmp_path / "autotuning_results"

@@ -407,7 +407,7 @@ def test_mode_run_records_final_over_tuned_on_the_parent_run(tmp_path):
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     script_args = " ".join(["--sleep", "0.06", "--jitter", "0", "--steps", "40", *TINY])
     proc = subprocess.run([sys.executable, "-m", "mlautotune", f"config={config}", f"script={TIMED}", f"script_args={script_args}",
-                           "launcher.num_gpus=2", f"launcher.master_port={random.randrange(30000, 60000)}", "search.remeasure=0", "mode=run"],
+                           "launcher.num_gpus=2", f"launcher.master_port={random.randrange(30000, 60000)}", "mode=run"],
                           cwd=tmp_path, env={**os.environ, "MLFLOW_TRACKING_URI": store}, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out

@@ -35,7 +35,7 @@ def test_every_view_of_a_disturbed_re_measured_session_gives_one_optimum(tmp_pat
                               "zero_optimization": {"stage": 0},
                               "autotuning": {"enabled": True, "start_profile_step": 2, "end_profile_step": 3, "arg_mappings": MAPPINGS,
                                              "tuner_type": "gridsearch", "tuner_num_trials": 3, "memory_limit_per_rank": "4GiB"}}))
-    overrides = "autotuning.tuner_num_trials=3 search.remeasure=1 measure.budget_s=1 measure.max_cpu_wait=0.0"
+    overrides = "autotuning.tuner_num_trials=3 measure.budget_s=1 measure.max_cpu_wait=0.0"
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
            "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     argv = [sys.executable, "-m", "mlflow", "run", str(ROOT), "--env-manager", "local", "--experiment-name", "views",
