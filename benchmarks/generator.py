@@ -2,7 +2,7 @@
 
     python benchmarks/generator.py show SEED [SEED ...]      # each landscape's traits and shape
     python benchmarks/generator.py score [--landscapes 200] [--seed0 0] [--only SEED] [--strategies ...]
-                                         [--workers 1,4] [--search v3|rules] [--jobs 1] [--json OUT.json] [--trace]
+                                         [--workers 1,4] [--jobs 1] [--json OUT.json] [--trace]
     python benchmarks/generator.py table OUT.json [...] [--json MERGED.json]   # the figures of records (merged by seed)
     python benchmarks/generator.py show|score --savers ...   # the memory-saver family (below)
 
@@ -452,15 +452,14 @@ def evaluate(job: tuple) -> Dict[str, Any]:
     import replay
 
     seed, strategies, counts, trace, *rest = job
-    search = rest[0] if rest else None  # the product's search.strategy (None: conf's)
-    land = make(seed, savers=len(rest) > 1 and rest[1])
+    land = make(seed, savers=bool(rest) and rest[0])
     b = best(land)
     runs = []
     for strategy in strategies:
         for workers in ([1] if strategy == "deepspeed_baseline" else counts):
-            runner, found = replay.replay(land, strategy, seed, workers, search_strategy=search)
+            runner, found = replay.replay(land, strategy, seed, workers)
             runs.append({"landscape": land["name"], "strategy": strategy, "seed": seed, "workers": workers, "log": runner.log,
-                         "found": runner.true_value(found), "search": replay.search_of(strategy, search)})
+                         "found": runner.true_value(found)})
     return {"seed": seed, "name": land["name"], "traits": land["traits"], "best": b["value"], "best_params": b["params"],
             "records": replay.score(runs, b["value"]), **({"trace": [replay.trace(r, b["value"]) for r in runs]} if trace else {})}
 
@@ -641,7 +640,7 @@ def score(args: argparse.Namespace) -> None:
     strategies = args.strategies.split(",")
     counts = [int(n) for n in args.workers.split(",")]
     seeds = [args.only] if args.only is not None else list(range(args.seed0, args.seed0 + args.landscapes))
-    jobs = [(s, strategies, counts, args.trace, args.search, args.savers) for s in seeds]
+    jobs = [(s, strategies, counts, args.trace, args.savers) for s in seeds]
     results = []
     with multiprocessing.Pool(args.jobs) if args.jobs > 1 else _Serial() as pool:
         for result in pool.imap(evaluate, jobs):
@@ -677,7 +676,6 @@ def main() -> None:
     sc.add_argument("--only", type=int, help="score this one landscape's seed alone")
     sc.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset of " + ", ".join(STRATEGIES))
     sc.add_argument("--workers", default="1,4", help="comma-separated worker counts (simulated time; the DeepSpeed model runs with 1)")
-    sc.add_argument("--search", choices=("v3", "rules"), help="the product's search.strategy (default: conf's)")
     sc.add_argument("--jobs", type=int, default=1, help="landscapes scored in parallel (processes)")
     sc.add_argument("--json", metavar="OUT", help="write the per-landscape results and records")
     sc.add_argument("--trace", action="store_true", help="print every replayed experiment: params, the value the search saw, the true value")

@@ -140,7 +140,7 @@ def run_session(plan: Plan, work: Path, config_path: Path, tracking_uri: str) ->
     from mlautotune.workloads import GPT_SCRIPT
 
     argv = [sys.executable, "-m", "mlautotune", f"config={config_path}", f"script={GPT_SCRIPT}", f"script_args={' '.join(plan.model)}",
-            "mode=run", "launcher.num_gpus=1", "search.remeasure=0", f"autotuning.results_dir={work / 'results'}",
+            "mode=run", "launcher.num_gpus=1", f"autotuning.results_dir={work / 'results'}",
             f"autotuning.exps_dir={work / 'exps'}", f"tracking.tracking_uri={tracking_uri}", *(f"measure.{k}={v}" for k, v in plan.measure.items())]
     started = time.time()
     try:

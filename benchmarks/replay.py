@@ -1,10 +1,10 @@
 """Replay benchmark: the product's search, with only its runner swapped for a landscape lookup,
 and a model of DeepSpeed's own autotuner (ds_baseline.py), against landscapes.
 
-    python benchmarks/replay.py [LANDSCAPE.json ...] [--seeds 5] [--workers 1,2,4] [--explore X] [--strategy v3|rules] [--json OUT.json] [--trace]
+    python benchmarks/replay.py [LANDSCAPE.json ...] [--seeds 5] [--workers 1,2,4] [--json OUT.json] [--trace]
 
 Without landscapes, every file in benchmarks/landscapes/. The product runs with its own defaults
-(conf/: remeasure 1, tuner_early_stopping 5, tuner_num_trials 50, ...), once per tuner type
+(conf/: tuner_num_trials 50, search.stop_probability 0.05, ...), once per tuner type
 (model_based, gridsearch, random) and seed. On GPU-like landscapes every measurement, each
 re-measurement included, is a fresh noisy draw (seeded); on recorded CPU landscapes it is one of
 the point's recorded draws (seeded), or its one recorded value if it was measured once.
@@ -42,13 +42,10 @@ HERE = Path(__file__).parent
 STRATEGIES = ("model_based", "gridsearch", "random", "deepspeed_baseline")
 
 
-def run_product(land: Dict[str, Any], runner: LandscapeRunner, tuner_type: str, seed: int, workers: int = 1,
-                explore: Optional[float] = None, search_strategy: Optional[str] = None) -> Optional[Dict[str, Any]]:
-    """The adapter to the product: run its search with its defaults (`explore`: search.explore instead
-    of conf's; `search_strategy`: search.strategy instead of conf's) on the landscape, with `workers` tuners on one study in simulated time (parallel.py);
-    the declared optimum's params."""
+def run_product(land: Dict[str, Any], runner: LandscapeRunner, tuner_type: str, seed: int, workers: int = 1) -> Optional[Dict[str, Any]]:
+    """The adapter to the product: run its search with its defaults on the landscape, with `workers`
+    tuners on one study in simulated time (parallel.py); the declared optimum's params."""
     import optuna
-    import yaml
 
     from mlautotune.inputs.config import AutotuningConf, SearchConf
     from mlautotune.run.experiment import Experiment, Resources, Result
@@ -60,13 +57,9 @@ def run_product(land: Dict[str, Any], runner: LandscapeRunner, tuner_type: str, 
                       micro_batch=MicroBatchRule(p["micro_batch"]["mode"], tuple(p["micro_batch"]["values"])), gas=p["gas"],
                       max_train_batch_size=p.get("max_train_batch_size"), mp_size=1, fast=p["fast"], base_config=p.get("base_config", {}),
                       data_parallel=land["world_size"], checkpointing=bool(p.get("checkpointing")), offload_device=p.get("offload_device"))
-    target = yaml.safe_load((HERE.parent / "conf" / "tuner" / f"{tuner_type}.yaml").read_text())
-    target = {k: (seed if v == "${search.seed}" else v) for k, v in target.items()}
-    settings = SearchSettings(metric=land.get("metric", at.metric), tuner_type=tuner_type, seed=seed, early_stopping=at.tuner_early_stopping,
-                              num_trials=at.tuner_num_trials, num_tuning_micro_batch_sizes=at.num_tuning_micro_batch_sizes, remeasure=search.remeasure,
-                              explore=search.explore if explore is None else explore,
-                              strategy=search_strategy or search.strategy, stop_probability=search.stop_probability,
-                              memory_limit_bytes=land["memory_limit_bytes"], world_size=land["world_size"], device=land["device"], sampler_target=target,
+    settings = SearchSettings(metric=land.get("metric", at.metric), tuner_type=tuner_type, seed=seed, num_trials=at.tuner_num_trials,
+                              stop_probability=search.stop_probability, memory_limit_bytes=land["memory_limit_bytes"],
+                              world_size=land["world_size"], device=land["device"],
                               host_memory_bytes=land.get("host_memory_bytes"), local_ranks=min(8, land["world_size"]))
 
     def make_experiment(params):
@@ -89,20 +82,12 @@ def run_product(land: Dict[str, Any], runner: LandscapeRunner, tuner_type: str, 
     return dict(best.params) if best else None
 
 
-def replay(land: Dict[str, Any], strategy: str, seed: int, workers: int = 1, explore: Optional[float] = None,
-           search_strategy: Optional[str] = None):
+def replay(land: Dict[str, Any], strategy: str, seed: int, workers: int = 1):
     """One search on one landscape: (runner with its log, declared optimum's params or None)."""
     runner = LandscapeRunner(land, seed=seed)
     if strategy == "deepspeed_baseline":  # sequential: each step needs the result of the one before
         return runner, ds_baseline.run(runner.measure, land, seed=seed)
-    return runner, run_product(land, runner, strategy, seed, workers, explore, search_strategy)
-
-
-def search_of(strategy: str, search_strategy: Optional[str]) -> Optional[str]:
-    """The product's search.strategy a record was made with (None for the DeepSpeed baseline)."""
-    from mlautotune.inputs.config import SearchConf
-
-    return None if strategy == "deepspeed_baseline" else (search_strategy or SearchConf().strategy)
+    return runner, run_product(land, runner, strategy, seed, workers)
 
 
 def score(runs: List[Dict[str, Any]], grid_best: float) -> List[Dict[str, Any]]:
@@ -126,7 +111,6 @@ def score(runs: List[Dict[str, Any]], grid_best: float) -> List[Dict[str, Any]]:
             "to95": reached.get(0.95), "to99": reached.get(0.99), "regret": 1 - (r["found"] or 0.0) / best,
             "experiments": n, "wall_hours": wall / 3600, "wall_hours_to99": None if wall99 is None else wall99 / 3600,
             "failures": sum(e["status"] != "ok" for e in r["log"]), "after99": None if 0.99 not in reached else n - reached[0.99],
-            **({"search": r["search"]} if r.get("search") else {}),
         })
     return records
 
@@ -157,8 +141,6 @@ def main():
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--json", metavar="OUT", help="write one record per landscape x strategy x seed")
     ap.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset of " + ", ".join(STRATEGIES))
-    ap.add_argument("--explore", type=float, help="the product's search.explore (default: conf's); the baseline ignores it")
-    ap.add_argument("--strategy", choices=("v3", "rules"), help="the product's search.strategy (default: conf's); the baseline ignores it")
     ap.add_argument("--workers", default="1", help="comma-separated worker counts, e.g. 1,2,4 (simulated wall-clock time; "
                     "the deepspeed baseline is sequential and runs with 1 only)")
     ap.add_argument("--trace", action="store_true", help="print every replayed experiment: params, the value the search saw, the true value")
@@ -171,9 +153,9 @@ def main():
         for strategy in args.strategies.split(","):
             for workers in ([1] if strategy == "deepspeed_baseline" else counts):
                 for seed in range(args.seeds):
-                    runner, found = replay(land, strategy, seed, workers, args.explore, args.strategy)
+                    runner, found = replay(land, strategy, seed, workers)
                     runs.append({"landscape": land["name"], "strategy": strategy, "seed": seed, "workers": workers, "log": runner.log,
-                                 "found": runner.true_value(found), "search": search_of(strategy, args.strategy)})
+                                 "found": runner.true_value(found)})
                     if args.trace:
                         print(trace(runs[-1], grid_best(land)), flush=True)
         records += score(runs, grid_best(land))

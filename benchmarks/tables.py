@@ -297,19 +297,47 @@ def resolution_table() -> str:
     return re.sub(r"(\w+)=(\w+)", lambda m: f"{short(m.group(1))}={knob_value(m.group(2))}", text)
 
 
+def fixed8_table(record: Dict[str, Any]) -> str:
+    """The fixed eight landscapes with the search and with the step-rule search it replaced
+    (results/fixed8_v3_vs_rules.json; each record's `search` names the one it ran): per landscape, both
+    rows and whether the search is no worse on regret (its median and its worst at most the rules')."""
+    records = [r for r in record["records"] if r["strategy"] == "model_based"]
+    out = ["| landscape | search | experiments to 99% | final regret (median / worst) | experiments (median) | no worse on regret |",
+           "|---|---|---:|---:|---:|---|"]
+    worse = []
+    for name in dict.fromkeys(r["landscape"] for r in records):
+        by = {s: [r for r in records if r["landscape"] == name and r["search"] == s] for s in ("v3", "rules")}
+        (mv, wv), (mr, wr) = [(median([r["regret"] for r in by[s]]), max(r["regret"] for r in by[s])) for s in ("v3", "rules")]
+        verdict = "yes" if mv <= mr + 1e-9 and wv <= wr + 1e-9 else "no: " + ", ".join(
+            f"{what} {a:.2%} vs {b:.2%}" for what, a, b in (("median", mv, mr), ("worst", wv, wr)) if a > b + 1e-9)
+        if verdict != "yes":
+            worse.append(name)
+        for s, label in (("v3", "the search"), ("rules", "step rules")):
+            rs = by[s]
+            out.append(f"| {name} | {label} | {steps([r['to99'] for r in rs])} | {median([r['regret'] for r in rs]):.1%} / {max(r['regret'] for r in rs):.1%} | "
+                       f"{median([r['experiments'] for r in rs]):g} | {verdict if s == 'v3' else ''} |")
+    n = len({r["landscape"] for r in records})
+    total = {s: sum(r["experiments"] for r in records if r["search"] == s) for s in ("v3", "rules")}
+    out += ["", f"- no worse on regret on {n - len(worse)} of {n} landscapes" + (f"; worse on {', '.join(worse)}" if worse else ""),
+            f"- experiments in all: the search {total['v3']}, step rules {total['rules']} ({total['v3'] / total['rules']:.1f}x)"]
+    return "\n".join(out)
+
+
+def fixed8_search(record: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The search's runs and the DeepSpeed baseline's, for targets()."""
+    return [r for r in record["records"] if r.get("search", "v3") == "v3" or r["strategy"] == "deepspeed_baseline"]
+
+
 def headline() -> str:
     """README.md's table: one line per benchmark, today's figure and its target."""
-    r20, w1, w4 = load("replay_20seeds.json"), load("replay_w1_60seeds.json"), load("replay_w4_60seeds.json")
-    t20, t60 = target_figures([r for r in r20 if r.get("workers", 1) == 1]), target_figures(w1)
+    t10 = target_figures(fixed8_search(load("fixed8_v3_vs_rules.json")))
     noise = load("noise_fixed_vs_pinned.json")["summary"]["pinned"]
     versus = versus_ratios(load("versus_deepspeed.json"))
     link = "benchmarks/README.md"
-    rows = [("Search replay: model_based / DeepSpeed-baseline experiments to 99% of the best (20 seeds; 60)",
-             f"{t20['ratio']}; {t60['ratio']}", "<= 0.33", f"{link}#search-replay"),
-            ("Search replay: worst final regret (20 seeds; 60)", f"{t20['worst_regret']}; {t60['worst_regret']}", "<= 3%", f"{link}#search-replay"),
-            ("Search replay: experiments run after reaching 99% (20 seeds; 60)", f"{t20['after99']}; {t60['after99']}", "<= 5", f"{link}#search-replay"),
-            ("Search replay: wall hours to 99%, 4 workers / 1 (20 seeds; 60)", f"{workers_ratio(r20)}; {workers_ratio(w1 + w4)}", "<= 0.35",
-             f"{link}#several-workers"),
+    rows = [("Search replay, fixed landscapes: model_based / DeepSpeed-baseline experiments to 99% of the best (10 seeds)",
+             t10["ratio"], "<= 0.33", f"{link}#search-replay"),
+            ("Search replay, fixed landscapes: worst final regret (10 seeds)", t10["worst_regret"], "<= 3%", f"{link}#search-replay"),
+            ("Search replay, fixed landscapes: experiments run after reaching 99% (10 seeds)", t10["after99"], "<= 5", f"{link}#search-replay"),
             ("Tuning time against `deepspeed --autotuning tune` (bundled; edge)", "; ".join(f"{v:.2f}" for v in versus.values()), "<= 0.5",
              f"{link}#side-by-side-with-deepspeeds-autotuner"),
             ("Measurement noise: CV of one configuration over 5 repeats, quiet", pct(noise["quiet"]["cv"]), "<= 3%", f"{link}#measurement-noise"),
@@ -345,17 +373,12 @@ def all_tables() -> str:
     sections = [("README.md, Benchmarks", headline())]
     if (RESULTS / "overhead.json").exists():
         sections.append(("benchmarks/README.md, Runner overhead (results/overhead.json)", overhead_table(load("overhead.json"))))
-    r20 = load("replay_20seeds.json")
-    w1_20 = [r for r in r20 if r.get("workers", 1) == 1]
+    fixed8 = load("fixed8_v3_vs_rules.json")
     sections += [
         ("benchmarks/README.md, Landscapes (landscapes/)", landscapes_table()),
         ("benchmarks/README.md, How finely the CPU truths tell the best (landscapes/cpu_*.json)", resolution_table()),
-        ("benchmarks/README.md, Search replay, 20 seeds, 1 worker (results/replay_20seeds.json)",
-         strategies_table(w1_20) + "\n" + targets(w1_20) + "\n" + ratio_by_seed_groups(w1_20)),
-        ("benchmarks/README.md, Search replay, 60 seeds, 1 worker (results/replay_w1_60seeds.json)", summary_lines(targets(load("replay_w1_60seeds.json")))),
-        ("benchmarks/README.md, Several workers, 20 seeds (results/replay_20seeds.json)", only_model_based(workers_table(r20))),
-        ("benchmarks/README.md, Several workers, 60 seeds (results/replay_w1_60seeds.json + replay_w4_60seeds.json)",
-         summary_lines(only_model_based(workers_table(load("replay_w1_60seeds.json") + load("replay_w4_60seeds.json")))).splitlines()[0]),
+        ("benchmarks/README.md, Search replay, 10 seeds, 1 worker (results/fixed8_v3_vs_rules.json)",
+         fixed8_table(fixed8) + "\n" + targets(fixed8_search(fixed8))),
         ("benchmarks/README.md, Measurement noise (results/noise_fixed_vs_pinned.json)", noise_table(load("noise_fixed_vs_pinned.json"))),
         ("benchmarks/README.md, Measurement noise, window budget (results/noise_budget_4.5s_vs_9s.json)", noise_table(load("noise_budget_4.5s_vs_9s.json"))),
         ("benchmarks/README.md, Measurement noise, script length (results/noise_window_length.json)", window_length_table(load("noise_window_length.json"))),

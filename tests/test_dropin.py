@@ -69,6 +69,14 @@ def test_every_deepspeed_autotuning_key_plans(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.json"]  # plan writes nothing
 
 
+def test_deepspeed_step_search_settings_the_search_does_not_read_are_accepted_and_said_so(cfg):
+    quiet = plan_of(cfg, {"autotuning": {"enabled": True, "tuner_early_stopping": 5, "num_tuning_micro_batch_sizes": 3}})
+    assert not any("tuner_early_stopping" in n or "num_tuning_micro_batch_sizes" in n for n in quiet.notices)  # DeepSpeed's defaults
+    told = plan_of(cfg, {"autotuning": {"enabled": True, "tuner_early_stopping": 20, "num_tuning_micro_batch_sizes": 5}})
+    assert any(n.startswith("autotuning.tuner_early_stopping=20 is accepted but not used: the search ends by its own stop rule") for n in told.notices)
+    assert any(n.startswith("autotuning.num_tuning_micro_batch_sizes=5 is accepted but not used") for n in told.notices)
+
+
 def test_micro_batch_bounds_reach_the_plan_and_the_first_experiments(cfg):
     ds = {"train_micro_batch_size_per_gpu": 2, "autotuning": {"enabled": True, "min_train_micro_batch_size_per_gpu": 3, "max_train_micro_batch_size_per_gpu": 8}}
     plan = plan_of(cfg, ds)
@@ -232,7 +240,7 @@ def test_hf_trainer_script_tunes_with_auto_and_no_arg_mappings_and_its_optimal_c
     (tmp_path / "ds.json").write_text(json.dumps(ds, indent=2))
     script_args = "--deepspeed ds.json --output_dir out --max_steps 8 --report_to none --save_strategy no --logging_steps 100"
     proc = subprocess.run([sys.executable, "-m", "mlautotune", "config=ds.json", f"script={HF_SCRIPT}", f"script_args='{script_args}'",
-                           "launcher.num_gpus=2", f"launcher.master_port={PORT}", "tracking.enabled=false", "search.remeasure=0", "measure.budget_s=1"],
+                           "launcher.num_gpus=2", f"launcher.master_port={PORT}", "tracking.enabled=false", "measure.budget_s=1"],
                           cwd=tmp_path, capture_output=True, text=True, env=SRC_ENV, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = tmp_path / "autotuning_results"

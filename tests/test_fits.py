@@ -10,7 +10,7 @@ from mlautotune.run.experiment import Result
 from mlautotune.search.fits import FitModel
 from mlautotune.search.candidates import distributions
 from mlautotune.search.ledger import Ledger
-from mlautotune.search.v3 import SearchV3
+from mlautotune.search.search import Search
 from mlautotune.search import SearchSettings
 from mlautotune.inputs.space import MicroBatchRule, TuningPlan
 
@@ -47,7 +47,7 @@ def fit_of(runs, limit=8 * GiB):
     for p, r in runs:
         ledger.record(ledger.claim(p, None), p, r, None)
     ledger.refresh()
-    search = SearchV3(plan, SearchSettings(memory_limit_bytes=limit, world_size=2, strategy="v3"))
+    search = Search(plan, SearchSettings(memory_limit_bytes=limit, world_size=2))
     return FitModel(plan, search.memory_model(ledger.order), ledger.order)
 
 

@@ -19,7 +19,7 @@ from mlautotune.search.candidates import distributions
 from mlautotune.search.ledger import Ledger
 from mlautotune.search.memory import CHECKPOINT_FACTOR, MemoryModel
 from mlautotune.search.fits import FitModel
-from mlautotune.search.v3 import SearchV3
+from mlautotune.search.search import Search
 
 GiB, MiB = 2**30, 2**20
 N = 100_000_000  # parameters
@@ -154,17 +154,17 @@ def _ledger(plan, measured):
 
 def test_when_every_stage_runs_out_of_memory_the_search_tries_offload_at_the_least_memory_stage():
     plan = plan_of(stages=(0, 1, 2, 3), checkpointing=False)
-    s = SearchSettings(strategy="v3", memory_limit_bytes=GiB, device="cuda")
+    s = SearchSettings(memory_limit_bytes=GiB, device="cuda")
     oom = Result("x", "oom", {}, "CUDA out of memory", 5.0, "", 1)
     ledger = _ledger(plan, [({"stage": st, "micro_batch": 1, "gas": 1}, oom) for st in (0, 1, 2, 3)])
-    step = SearchV3(plan, s).next(ledger)
+    step = Search(plan, s).next(ledger)
     assert step.params == {"stage": 3, "micro_batch": 1, "gas": 1, "offload_optimizer": True, "offload_param": True}
-    assert SearchV3(plan, SearchSettings(strategy="v3", memory_limit_bytes=GiB, device="cpu")).next(ledger) is None
+    assert Search(plan, SearchSettings(memory_limit_bytes=GiB, device="cpu")).next(ledger) is None
 
 
 def test_the_search_proposes_checkpointing_beyond_the_plain_edge_and_the_summary_says_which_won():
     plan = plan_of()
-    s = SearchSettings(strategy="v3", memory_limit_bytes=8 * GiB, device="cuda")
+    s = SearchSettings(memory_limit_bytes=8 * GiB, device="cuda")
     m = memory()
 
     def ok(mbs, tput, ckpt=False):
@@ -173,7 +173,7 @@ def test_the_search_proposes_checkpointing_beyond_the_plain_edge_and_the_summary
                       "num_params": N, "trainable_num_params": N}, "", 10.0, "", 0)
 
     runs = [({"stage": 0, "micro_batch": 1, "gas": 1}, ok(1, 10.0)), ({"stage": 0, "micro_batch": 4, "gas": 1}, ok(4, 30.0))]
-    st = SearchV3(plan, s)
+    st = Search(plan, s)
     st.next(_ledger(plan, runs))
     fit = FitModel(plan, st.memory, _ledger(plan, runs).order)
     from mlautotune.search import constrained
@@ -249,7 +249,7 @@ def _session(folder: Path, trials: int, limit: str = None) -> subprocess.Complet
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{folder / 'mlflow.db'}",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(DEEP_HF.parent), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, "-m", "mlautotune", "config=ds.json", f"script={DEEP_HF}", f"script_args='{HF_ARGS}'", "launcher.num_gpus=1",
-                           f"launcher.master_port={30000 + os.getpid() % 20000}", "search.strategy=v3", "search.remeasure=0", "measure.budget_s=1"],
+                           f"launcher.master_port={30000 + os.getpid() % 20000}", "measure.budget_s=1"],
                           cwd=folder, capture_output=True, text=True, env=env, timeout=1500)
 
 

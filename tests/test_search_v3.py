@@ -1,4 +1,4 @@
-"""search.strategy=v3: the model, the acquisition, the stop rule and the samplers (pure logic, no launches).
+"""The search: the model, the acquisition, the stop rule and the samplers (pure logic, no launches).
 
 Hand-made ledgers are real Optuna studies (in memory) written through the Ledger, as the tuner writes them.
 """
@@ -15,7 +15,7 @@ from mlautotune.search.acquisition import gain, overlap, per_second
 from mlautotune.search.candidates import distributions
 from mlautotune.search.ledger import Ledger
 from mlautotune.search.samplers import CostModelSampler
-from mlautotune.search.v3 import SearchV3
+from mlautotune.search.search import Search
 from mlautotune.inputs.space import MicroBatchRule, TuningPlan
 
 GiB = 2**30
@@ -30,7 +30,7 @@ def plan_of(stages=(0, 1), mbs=MicroBatchRule("fixed", (4,)), knobs=None, fast=T
 
 
 def settings(tuner="model_based", **kw):
-    return SearchSettings(tuner_type=tuner, strategy="v3", memory_limit_bytes=4 * GiB, world_size=2, num_trials=kw.pop("num_trials", 50), **kw)
+    return SearchSettings(tuner_type=tuner, memory_limit_bytes=4 * GiB, world_size=2, num_trials=kw.pop("num_trials", 50), **kw)
 
 
 def ok(throughput, mbs=4, interval=0.01, peak=1 * GiB):
@@ -60,9 +60,9 @@ Z0, Z1 = {"stage": 0, "micro_batch": 4, "gas": 1}, {"stage": 1, "micro_batch": 4
 # ---- the acquisition ---------------------------------------------------------------------------------
 def test_a_near_tie_is_measured_again_only_while_its_interval_overlaps_the_best():
     plan = plan_of()
-    tie = SearchV3(plan, settings()).next(ledger_with(plan, [(Z0, ok(100.0)), (Z1, ok(99.5))]))
+    tie = Search(plan, settings()).next(ledger_with(plan, [(Z0, ok(100.0)), (Z1, ok(99.5))]))
     assert tie is not None and tie.repeat_of is not None, "two configurations within each other's interval: one is measured again"
-    apart = SearchV3(plan, settings()).next(ledger_with(plan, [(Z0, ok(100.0)), (Z1, ok(70.0))]))
+    apart = Search(plan, settings()).next(ledger_with(plan, [(Z0, ok(100.0)), (Z1, ok(70.0))]))
     assert apart is None, "70 against 100 with 1% intervals: nothing is worth another launch, and nothing is left untried"
 
 
@@ -82,7 +82,7 @@ def test_the_memory_model_makes_the_size_at_the_edge_riskier_than_the_one_below(
     plan = plan_of(stages=(0,), mbs=MicroBatchRule("min", (1,)))
     peak = lambda m: int(2 * GiB + m * 0.2 * GiB)  # noqa: E731  (edge at 10 for a 4 GiB limit)
     runs = [({"stage": 0, "micro_batch": 1, "gas": 1}, ok(10.0, peak=peak(1))), ({"stage": 0, "micro_batch": 4, "gas": 1}, ok(30.0, peak=peak(4)))]
-    search = SearchV3(plan, settings())
+    search = Search(plan, settings())
     ledger = ledger_with(plan, runs)
     search.next(ledger)
     from mlautotune.search.fits import FitModel
@@ -95,10 +95,10 @@ def test_the_memory_model_makes_the_size_at_the_edge_riskier_than_the_one_below(
 def test_pending_trials_change_the_next_choice():
     plan = plan_of()
     measured = [(Z0, ok(100.0)), (Z1, ok(99.5))]
-    alone = SearchV3(plan, settings()).next(ledger_with(plan, measured))
+    alone = Search(plan, settings()).next(ledger_with(plan, measured))
     assert alone.repeat_of is not None
     index = 0 if alone.params == Z0 else 1
-    busy = SearchV3(plan, settings()).next(ledger_with(plan, measured, pending=[(alone.params, index)]))
+    busy = Search(plan, settings()).next(ledger_with(plan, measured, pending=[(alone.params, index)]))
     assert busy is None or busy.params != alone.params, "another worker is measuring that one again: this worker goes elsewhere"
 
 

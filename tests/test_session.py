@@ -42,7 +42,7 @@ def cli(tmp_path: Path, *args: str, script=HEAVY, extra_env=None, **popen):
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", "PYTHONFAULTHANDLER": "1", **(extra_env or {})}
     argv = [sys.executable, "-m", "mlautotune", *args]
     if script is not None:
-        argv += [f"script={script}", f"script_args={' '.join(TINY_MODEL)}", "launcher.num_gpus=2", "search.remeasure=0", *QUICK]
+        argv += [f"script={script}", f"script_args={' '.join(TINY_MODEL)}", "launcher.num_gpus=2", *QUICK]
     proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
     # read as it comes, as a terminal would: a session waited on with its pipe unread blocks once the pipe is full
     proc.lines = []
@@ -229,7 +229,7 @@ def test_mlflow_run_in_run_mode_trains_with_the_optimum(tmp_path):
         sys.executable, "-m", "mlflow", "run", str(ROOT), "--env-manager", "local",
         "-P", f"config={config}", "-P", f"script={TIMED}", "-P", f"script_args={script_args}",
         "-P", "num_gpus=2", "-P", "mode=run", "-P", f"results_dir={tmp_path / 'res'}",
-        "-P", f"overrides=search.remeasure=0 {' '.join(QUICK)} autotuning.exps_dir={tmp_path / 'exps'}",  # `mlflow run` starts it in the checkout
+        "-P", f"overrides={' '.join(QUICK)} autotuning.exps_dir={tmp_path / 'exps'}",  # `mlflow run` starts it in the checkout
     ]
     proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
@@ -327,7 +327,7 @@ def test_secrets_user_logging_lock_and_the_mlflow_view(tmp_path):
         uri = f"http://alice:TRACKPASS77@127.0.0.1:{port}"
         args = [f"config={config}", f"tracking.tracking_uri={uri}", f"script={USER_LOGGING}",
                 f"script_args={' '.join(TINY_MODEL)} --hf_token TOKEN77xyz --hold_until {tmp_path / 'go'}", "launcher.num_gpus=2",
-                "search.remeasure=0", *QUICK]
+                *QUICK]
         first = cli(tmp_path, *args, script=None)
         launches = tmp_path / "autotuning_results" / "launches.log"
         wait_for(lambda: launches.exists() and launches.read_text().strip(), first)

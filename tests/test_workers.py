@@ -69,7 +69,7 @@ def write_config(path: Path) -> Path:
 
 def start(command: str, folder: Path, services, log: str) -> subprocess.Popen:
     argv = [sys.executable, "-m", "mlautotune", command, f"config={folder / 'ds.json'}", f"script_args={' '.join(TINY_MODEL)}",
-            "launcher.num_gpus=1", "search.remeasure=0", f"search.session={SESSION}", f"search.storage={services['MLAUTOTUNE_STORAGE']}",
+            "launcher.num_gpus=1", f"search.session={SESSION}", f"search.storage={services['MLAUTOTUNE_STORAGE']}",
             "search.heartbeat_seconds=2", "measure.budget_s=1"]
     env = {**os.environ, "MLFLOW_TRACKING_URI": services["MLFLOW_TRACKING_URI"]}
     with open(folder / log, "w") as out:

@@ -71,18 +71,12 @@ class Session:
         return self.cfg.autotuning
 
     def search_settings(self) -> SearchSettings:
-        node = self.cfg.search.sampler or self.cfg.tuners[self.at.tuner_type]  # conf/tuner/<tuner_type>.yaml
-        sampler = OmegaConf.to_container(node, resolve=True)
+        sampler = OmegaConf.to_container(self.cfg.search.sampler, resolve=True) if self.cfg.search.sampler else None
         return SearchSettings(
             metric=self.at.metric,
             tuner_type=self.at.tuner_type,
             seed=self.cfg.search.seed,
-            early_stopping=self.at.tuner_early_stopping,
             num_trials=self.at.tuner_num_trials,
-            num_tuning_micro_batch_sizes=self.at.num_tuning_micro_batch_sizes,
-            remeasure=self.cfg.search.remeasure,
-            explore=self.cfg.search.explore,
-            strategy=self.cfg.search.strategy,
             stop_probability=self.cfg.search.stop_probability,
             memory_limit_bytes=self.memory_limit_bytes,
             world_size=self.world_size,

@@ -116,10 +116,7 @@ class SearchConf:
     storage: Optional[str] = None  # Optuna storage URL; None -> sqlite in results_dir
     session: Optional[str] = None  # session name; None -> derived from script, args, ds_config and settings
     sampler: Dict[str, Any] = field(default_factory=dict)  # any Optuna sampler by Hydra _target_ (empty: tuner_type's); overrides tuner_type
-    remeasure: int = 1  # extra measurements of near-tied leaders before the optimum is declared
-    explore: float = 0.5  # the stop rule: a candidate is measured only if its optimistic value beats the best by more than this part of one measurement's interval (lower: more thorough, more experiments)
-    strategy: str = "rules"  # v3: one model of throughput and OOM risk, one acquisition, one stop rule (docs/search.md); rules: the step rules
-    stop_probability: float = 0.05  # v3: the search ends when P(another configuration beats the best by more than 1%) is under this
+    stop_probability: float = 0.05  # the search ends when P(another configuration beats the best by more than 1%) is under this (docs/search.md)
     heartbeat_seconds: int = 30  # workers: a running trial's heartbeat; after 4 missed beats another worker runs it again
 
 
@@ -152,7 +149,6 @@ class MLAutotuneConf:
     search: SearchConf = field(default_factory=SearchConf)
     measure: MeasureConf = field(default_factory=MeasureConf)
     space: Dict[str, Any] = field(default_factory=dict)  # zero0..zero3: per-stage default spaces from conf/space
-    tuners: Dict[str, Any] = field(default_factory=dict)  # model_based | gridsearch | random, from conf/tuner
 
 
 def register_configs() -> None:
@@ -403,15 +399,6 @@ def validate(cfg: DictConfig) -> None:
     validate_sampler(cfg.search.sampler)
     if cfg.search.heartbeat_seconds < 1:
         raise UserError(f"search.heartbeat_seconds={cfg.search.heartbeat_seconds} must be at least 1.", "Give the seconds between a worker's heartbeats (default 30; a trial is run again after 4 missed beats).")
-    if cfg.search.remeasure < 0:
-        raise UserError(f"search.remeasure={cfg.search.remeasure} must be 0 or more.", "Give the number of extra measurements of near-tied leaders (default 1).")
-    if not -1 <= cfg.search.explore <= 1:
-        raise UserError(f"search.explore={cfg.search.explore:g} is outside -1..1.",
-                        "Give the part of one measurement's interval a candidate must be predicted to beat the best by: 0.5 (the default) "
-                        "stops soonest, 0 or -0.5 measure candidates within the noise of the best too (more thorough, more experiments).")
-    if cfg.search.strategy not in ("v3", "rules"):
-        raise UserError(f"search.strategy={cfg.search.strategy!r} is not a search strategy.",
-                        "Use search.strategy=v3 (one model, one acquisition, one stop rule) or search.strategy=rules (the step rules).")
     if not 0 < cfg.search.stop_probability < 1:
         raise UserError(f"search.stop_probability={cfg.search.stop_probability:g} is outside 0..1.",
                         "Give the probability under which the search stops, e.g. 0.05 (the default): lower runs longer.")

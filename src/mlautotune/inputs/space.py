@@ -83,6 +83,12 @@ UNUSED_KEYS = {
     "model_info": "mlautotune measures the parameter count and memory in its first experiments",
     "model_info_path": "mlautotune measures the parameter count and memory in its first experiments",
 }
+# DeepSpeed's step-search settings, accepted with their DeepSpeed meaning and default; the search has
+# its own stop rule and ladder (docs/search.md), so a value other than the default gets a notice.
+NOT_READ_BY_SEARCH = {
+    "tuner_early_stopping": (5, "the search ends by its own stop rule, search.stop_probability (docs/search.md)"),
+    "num_tuning_micro_batch_sizes": (3, "the search chooses among every allowed micro-batch size (docs/search.md)"),
+}
 TUNED_TOP_LEVEL = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "autotuning", "arg_mappings")
 KNOB_CODES = {
     "reduce_bucket_size": "rbs", "allgather_bucket_size": "agbs", "overlap_comm": "oc", "reduce_scatter": "rs",
@@ -96,6 +102,8 @@ KNOB_CODES = {
 def build_plan(ds_config: Dict[str, Any], at: Any, space: Any, script_args: List[str], world_size: int, hf_trainer: bool = False) -> TuningPlan:
     """The README's tuning-scope rules turned into plain data for the search."""
     notices = [f"autotuning.{k} is accepted but not used: {why}." for k, why in UNUSED_KEYS.items() if at.get(k) is not None]
+    notices += [f"autotuning.{k}={at.get(k)} is accepted but not used: {why}." for k, (default, why) in NOT_READ_BY_SEARCH.items()
+                if at.get(k, default) != default]
     mappings = {k.strip(): v.strip() for k, v in dict(at.arg_mappings or {}).items()}
     if hf_trainer or any(ds_config.get(k) == "auto" for k in BATCH_KEYS):
         added = {k: v for k, v in HF_MAPPINGS.items() if k not in mappings}

@@ -59,9 +59,11 @@ class Profiling:
                 if params_key(p) not in taken and not self._oom_at_or_below(runs, stage, mbs):
                     return Step(p, "profiling: model info and a first memory point")
             return None
-        if st.plan.micro_batch.mode != "min" or st.memory.per_sample_measured():
+        if st.memory.per_sample_measured():
             return None
-        first, mbs = self._second_point(runs)  # not in flight (next() waits while it is): one is enough
+        first, mbs = self._second_point(runs)
+        if mbs is None:
+            return None
         p = with_knobs(st.plan, first.params["stage"], mbs, knobs_of_params(first.params))
         if (st.cap is not None and mbs > st.cap) or params_key(p) in taken:
             return None
@@ -83,18 +85,15 @@ class Profiling:
         script_error = head.startswith("rank ") or failed[0].result.status == "incomplete"  # not a bare exit code
         return (head, len(stages)) if head and script_error else None
 
-    def _second_point(self, runs: List[Measured]) -> Tuple[Measured, int]:
-        """The first run (the same for every worker: the lowest trial number) and the second size to measure."""
+    def _second_point(self, runs: List[Measured]) -> Tuple[Measured, Optional[int]]:
+        """The first run (the same for every worker: the lowest trial number) and the second size to
+        measure: PROFILE_FACTOR times it (rule "min"), the next listed size above it (rule "list"), or
+        none (a fixed size)."""
         first = min((m for m in runs if m.ok), key=lambda m: m.trial_number)
-        return first, first.params["micro_batch"] * PROFILE_FACTOR
-
-    def slope_pending(self, runs: List[Measured]) -> bool:
-        """Another worker is measuring the second memory point that the edges wait for."""
-        st = self.st
-        if st.plan.micro_batch.mode != "min" or st.memory is None or st.memory.per_sample_measured():
-            return False
-        mbs = self._second_point(runs)[1]
-        return any(p["micro_batch"] == mbs for p in st.pending_params)
+        mbs, rule = first.params["micro_batch"], self.st.plan.micro_batch
+        if rule.mode == "min":
+            return first, mbs * PROFILE_FACTOR
+        return first, min((v for v in rule.values if v > mbs), default=None) if rule.mode == "list" else None
 
     def _second_size(self) -> int:
         st = self.st
@@ -132,10 +131,12 @@ def host_memory() -> int:
 
 def first_experiments(plan: TuningPlan) -> List[Dict[str, Any]]:
     """The session's first experiments, as `Profiling.step` picks them when they run: the first stage at
-    the smallest micro-batch, then (micro-batch rule "min") at PROFILE_FACTOR times it for the
-    memory slope. `mlautotune plan` prints these and `mlautotune experiment` runs the first."""
+    the smallest micro-batch, then at PROFILE_FACTOR times it (micro-batch rule "min") or at the next
+    listed size (rule "list") for the memory slope. `mlautotune plan` prints these and `mlautotune experiment` runs the first."""
     cap, low = plan.micro_batch_cap, min(plan.micro_batch.values)
     first = [base_params(plan, plan.stages[0], low)]
-    if plan.micro_batch.mode == "min" and low * PROFILE_FACTOR <= cap:
-        first.append(base_params(plan, plan.stages[0], low * PROFILE_FACTOR))
+    rule = plan.micro_batch
+    second = low * PROFILE_FACTOR if rule.mode == "min" else min((v for v in rule.values if v > low), default=None) if rule.mode == "list" else None
+    if second is not None and second <= cap:
+        first.append(base_params(plan, plan.stages[0], second))
     return first

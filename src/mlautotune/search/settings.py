@@ -9,13 +9,8 @@ class SearchSettings:
     metric: str = "throughput"
     tuner_type: str = "model_based"
     seed: int = 0
-    early_stopping: int = 5
     num_trials: int = 50
-    num_tuning_micro_batch_sizes: int = 3
-    remeasure: int = 1
-    explore: float = 0.5  # conf: search.explore (the stop rule's margin over the best, in measurement intervals)
-    strategy: str = "rules"  # conf: search.strategy (v3: one model, one acquisition, one stop rule; rules: the step rules)
-    stop_probability: float = 0.05  # conf: search.stop_probability (v3's stop rule)
+    stop_probability: float = 0.05  # conf: search.stop_probability (the stop rule)
     memory_limit_bytes: Optional[int] = None
     world_size: int = 1
     device: str = "cpu"

@@ -1,5 +1,5 @@
 """A step of the search: the configuration to measure next, why, and the measurement it repeats (if it does);
-and what every strategy shares with the steps it asks (notes, the memory model, the score)."""
+and what the search shares with the profiling step it asks (notes, the memory model, the score)."""
 
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
@@ -15,8 +15,8 @@ class Step:
 
 
 class StrategyBase:
-    """Notes, the memory model and the score, shared by the strategies (strategy.py, v3.py); each sets
-    `self.s` (its SearchSettings), `self.notes` and `self.profiling`."""
+    """Notes, the memory model and the score, which the search (search.py) shares with profiling.py;
+    it sets `self.s` (its SearchSettings), `self.notes` and `self.profiling`."""
 
     def note(self, text: str) -> None:
         if text not in self.notes:

@@ -1,4 +1,4 @@
-"""The tuner: asks the strategy for the next configuration, claims it as a trial, runs it, records it."""
+"""The tuner: asks the search (search.py) for the next configuration, claims it as a trial, runs it, records it."""
 
 import time
 from dataclasses import dataclass, field
@@ -11,9 +11,9 @@ from mlautotune.run.measure import cut_short_note
 from mlautotune.search import savers
 from mlautotune.search.candidates import distributions
 from mlautotune.search.ledger import Ledger, Measured
+from mlautotune.search.search import Search
 from mlautotune.search.settings import SearchSettings
-from mlautotune.search.strategy import Step, Strategy
-from mlautotune.search.v3 import SearchV3
+from mlautotune.search.step import Step
 from mlautotune.inputs.space import TuningPlan
 
 
@@ -40,7 +40,7 @@ class Tuner:
         self.make_experiment, self.run_experiment = make_experiment, run
         self.observers = list(observers)
         self.ledger = Ledger(study, settings.metric, distributions(plan), alone=settings.alone)
-        self.strategy = SearchV3(plan, settings) if settings.strategy == "v3" else Strategy(plan, settings)
+        self.strategy = Search(plan, settings)
         self.launched = 0  # experiments started by this process
         self._told: set = set()  # notes and stages already passed to the observers
         self.left: List[str] = []  # the step the budget stopped: its experiment's name and why it was worth running

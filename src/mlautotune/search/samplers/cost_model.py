@@ -1,5 +1,5 @@
-"""The XGBoost cost model: feature encoding for spaces of different shapes, a regressor for the
-metric and a classifier for feasibility (ok vs OOM)."""
+"""The XGBoost cost model's parts that CostModelSampler (cost_model_sampler.py) uses: feature encoding
+for spaces of different shapes, and a classifier for feasibility (ok vs OOM)."""
 
 import math
 from typing import Any, Dict, List, Sequence
@@ -40,29 +40,9 @@ def all_keys(params_lists: Sequence[Sequence[Dict[str, Any]]]) -> List[str]:
 class CostModel:
     def __init__(self, seed: int = 0):
         self.seed = seed
-        self.keys: List[str] = []
-        self._reg = None
-        self._mean = 0.0
         self._clf = None
         self._ooms: List[Dict[str, Any]] = []
         self._feasible_default = 1.0
-
-    def fit(self, params_list: List[Dict[str, Any]], values: List[float]) -> "CostModel":
-        self._train = list(params_list)
-        self.keys = all_keys([params_list])
-        self._mean = float(np.mean(values)) if len(values) else 0.0
-        self._reg = None
-        if len(values) >= 3:
-            import xgboost as xgb
-
-            self._reg = xgb.XGBRegressor(n_estimators=60, max_depth=3, learning_rate=0.3, nthread=1, random_state=self.seed, verbosity=0)
-            self._reg.fit(encode(params_list, self.keys), np.asarray(values, dtype=float))
-        return self
-
-    def predict(self, params_list: List[Dict[str, Any]]) -> np.ndarray:
-        if self._reg is None:
-            return np.full(len(params_list), self._mean)
-        return self._reg.predict(encode(params_list, self.keys)).astype(float)
 
     def fit_feasibility(self, params_list: List[Dict[str, Any]], ok: List[bool]) -> "CostModel":
         self._clf_keys = all_keys([params_list])

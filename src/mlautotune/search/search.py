@@ -1,6 +1,6 @@
-"""The search (search.strategy=v3): one model, one acquisition, one stop rule.
+"""The search: one model, one acquisition, one stop rule.
 
-`SearchV3.next(ledger)` decides afresh from every trial of the study (and the seed), so a resumed
+`Search.next(ledger)` decides afresh from every trial of the study (and the seed), so a resumed
 session, or a second worker on the same study, takes up the search where it stands:
 
 1. profiling (profiling.py): the first runs, which give the memory model its points; a stage that
@@ -41,16 +41,13 @@ from mlautotune.search.step import Step, StrategyBase
 from mlautotune.search.stop import p_beaten
 
 MARGIN = 0.01  # the stop rule's "better by more than 1%"
-BUILT_IN = ("mlautotune.search.samplers.ModelBasedSampler", "mlautotune.search.samplers.choosers.GridOrder",
-            "mlautotune.search.samplers.choosers.RandomChoice")
 
 
-class SearchV3(StrategyBase):
+class Search(StrategyBase):
     def __init__(self, plan: TuningPlan, settings: SearchSettings):
         self.plan, self.s = plan, settings
-        target = (settings.sampler_target or {}).get("_target_")
-        self.kind = settings.tuner_type if target is None or target in BUILT_IN else "optuna"
-        self.chooser = make_chooser(settings.tuner_type, settings.seed, settings.sampler_target) if self.kind == "optuna" else None
+        self.kind = "optuna" if settings.sampler_target else settings.tuner_type  # search.sampler: another Optuna sampler
+        self.chooser = make_chooser(settings.seed, settings.sampler_target) if self.kind == "optuna" else None
         self.cap, self.low = plan.micro_batch_cap, min(plan.micro_batch.values)
         self.notes: List[str] = []
         self.memory: Optional[MemoryModel] = None
