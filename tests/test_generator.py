@@ -237,7 +237,7 @@ def test_the_search_finds_a_configuration_where_only_offload_fits():
     regrets = []
     for seed in SAVER_SEEDS:
         land = generator.make(seed, savers=True)
-        runner, found = replay.replay(land, "model_based", seed, 1, search_strategy="v3")
+        runner, found = replay.replay(land, "model_based", seed, 1)
         assert found is not None and (found.get("offload_optimizer") or found.get("offload_param")), found
         regrets.append(1 - runner.true_value(found) / generator.best(land)["value"])
     assert sorted(regrets)[len(regrets) // 2] < 0.1, regrets  # the median within 10% of the best

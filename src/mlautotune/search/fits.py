@@ -172,15 +172,27 @@ class FitModel:
         return self._edges[key]
 
     def _edge(self, params: Dict[str, Any]) -> Optional[float]:
+        """The posterior median of the largest fitting micro-batch, within what ran and what ran out."""
         if not self.usable:
             return None
-        stage = params["stage"]
-        at = self.anchor[stage]
-        room = self.limit - self.peaks(params, [max(1, int(round(at)))])[0]
-        edges = max(1, int(round(at))) + room / np.maximum(self.s, 1.0)
+        at = max(1, int(round(self.anchor[params["stage"]])))
+        savers = savers_of(params)
+        factor = self.memory.per_sample_with(savers) / self.slope if savers else 1.0
+        edges = at + (self.edge_bytes - self.peaks(params, [at])[0]) / np.maximum(self.s * factor, 1.0)
         order = np.argsort(edges)
-        cdf = np.cumsum(self.w[order])
-        return float(max(edges[order][np.searchsorted(cdf, 0.5)], 0.0))
+        median = float(edges[order][np.searchsorted(np.cumsum(self.w[order]), 0.5)])
+        fits_up_to, fails_from = self._facts(params)
+        return max(min(median, fails_from - 1), fits_up_to, 0.0)
+
+    def _facts(self, params: Dict[str, Any]) -> Tuple[int, float]:
+        """(the largest size of this stage and knobs that ran, the smallest known to run out of memory)."""
+        key = group(params)
+        if key not in self._curves:
+            buffers = self._buffers(params)
+            savers = tuple(sorted(savers_of(params)))
+            fails = [at for stage, b, at, sv in self.ooms if stage == params["stage"] and buffers >= b and sv == savers]  # an OOM with no more buffers
+            self._curves[key] = (self.ok_at.get(key, 0), min([self.oom_at.get(key, math.inf), *fails]))
+        return self._curves[key]
 
     def fill(self, params: Dict[str, Any]) -> float:
         """The posterior mean of the peak over the limit (0 without a memory model): how full memory is."""
@@ -196,13 +208,7 @@ class FitModel:
 
     def p_fits(self, params: Dict[str, Any], sizes: Sequence[int]) -> List[float]:
         """P(fits) of these params' stage and knobs at each micro-batch size."""
-        key = group(params)
-        if key not in self._curves:
-            buffers = self._buffers(params)
-            savers = tuple(sorted(savers_of(params)))
-            fails = [at for stage, b, at, sv in self.ooms if stage == params["stage"] and buffers >= b and sv == savers]  # an OOM with no more buffers
-            self._curves[key] = (self.ok_at.get(key, 0), min([self.oom_at.get(key, math.inf), *fails]))
-        fits_up_to, fails_from = self._curves[key]
+        fits_up_to, fails_from = self._facts(params)
         if self.usable:
             p = (self.peaks(params, sizes) <= self.edge_bytes) @ self.w
         else:
