@@ -360,5 +360,5 @@ def plan_text(plan: TuningPlan) -> str:
     savers = ([f"activation checkpointing ({plan.arg_mappings[CHECKPOINTING_KEY]})"] if plan.checkpointing else []) + (
         [f"ZeRO-Offload to {plan.offload_device} (offload_optimizer at stages 1-3, offload_param at stage 3)"] if plan.offload_device else [])
     if savers:
-        lines.append("memory savers (search.strategy=v3), tried only where the memory model says they let a larger micro-batch fit: " + "; ".join(savers))
+        lines.append("memory savers, tried only where the memory model says they let a larger micro-batch fit: " + "; ".join(savers))
     return "\n".join(lines)
