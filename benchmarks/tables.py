@@ -328,13 +328,43 @@ def fixed8_search(record: Dict[str, Any]) -> List[Dict[str, Any]]:
     return [r for r in record["records"] if r.get("search", "v3") == "v3" or r["strategy"] == "deepspeed_baseline"]
 
 
+GENERATED_W1, GENERATED_W4 = "generator_200_w1.json", "generator_30_w4.json"  # the search's records on generated landscapes
+
+
+def generated_rows(link: str) -> List[tuple]:
+    """The issue's targets on generated landscapes, from the records (1 worker: every strategy; 4 workers: model_based)."""
+    import generator
+
+    if not (RESULTS / GENERATED_W1).exists():
+        return []
+    results = load(GENERATED_W1)["results"]
+    w4 = {r["seed"]: r for r in load(GENERATED_W4)["results"]} if (RESULTS / GENERATED_W4).exists() else {}
+    records = [x for r in results for x in r["records"]] + [x for r in w4.values() for x in r["records"]]
+    by: Dict[tuple, Dict[int, Dict[str, Any]]] = {}
+    for x in records:
+        by.setdefault((x["strategy"], x["workers"]), {})[x["seed"]] = x
+    mb = list(by[("model_based", 1)].values())
+    regrets = [x["regret"] for x in mb]
+    n, where = len(mb), f"{link}#generated-landscapes"
+    rows = [(f"Generated landscapes ({n}): share where model_based reaches 99% of the best", f"{sum(x['to99'] is not None for x in mb) / n:.0%}",
+             ">= 95%", where),
+            (f"Generated landscapes ({n}): final regret p95 / worst", f"{generator.quantile(regrets, 0.95):.1%} / {max(regrets):.1%}", "<= 2% / 5%", where),
+            (f"Generated landscapes ({n}): experiments to 99%, model_based / DeepSpeed model (median of ratios)",
+             generator.cell_ratio(generator.ds_ratio(mb, by.get(("deepspeed_baseline", 1), {}))), "<= 0.5", where)]
+    if ("model_based", 4) in by:
+        one = {s: x for s, x in by[("model_based", 1)].items() if s in by[("model_based", 4)]}
+        w = generator.workers_ratio({("model_based", 1): one, ("model_based", 4): by[("model_based", 4)]}, "model_based")
+        rows.append((f"Generated landscapes ({w[1]}): wall hours to 99%, 4 workers / 1 worker (median)", generator.cell_ratio(w[0]), "<= 0.35", where))
+    return rows
+
+
 def headline() -> str:
     """README.md's table: one line per benchmark, today's figure and its target."""
     t10 = target_figures(fixed8_search(load("fixed8_v3_vs_rules.json")))
     noise = load("noise_fixed_vs_pinned.json")["summary"]["pinned"]
     versus = versus_ratios(load("versus_deepspeed.json"))
     link = "benchmarks/README.md"
-    rows = [("Search replay, fixed landscapes: model_based / DeepSpeed-baseline experiments to 99% of the best (10 seeds)",
+    rows = generated_rows(link) + [("Search replay, fixed landscapes: model_based / DeepSpeed-baseline experiments to 99% of the best (10 seeds)",
              t10["ratio"], "<= 0.33", f"{link}#search-replay"),
             ("Search replay, fixed landscapes: worst final regret (10 seeds)", t10["worst_regret"], "<= 3%", f"{link}#search-replay"),
             ("Search replay, fixed landscapes: experiments run after reaching 99% (10 seeds)", t10["after99"], "<= 5", f"{link}#search-replay"),

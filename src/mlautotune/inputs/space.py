@@ -55,7 +55,8 @@ class TuningPlan:
     def fills_batch(self, mbs: int) -> bool:
         """With max_train_batch_size, whether mbs is the largest micro-batch at its gradient accumulation
         (64, 32, 21, 16, ... on one rank for 64). A smaller one at the same accumulation runs as many
-        steps on fewer samples, so the search need not measure it. Without it, every size."""
+        steps on fewer samples, so the search measures it only at a memory edge (constrained.py).
+        Without it, every size."""
         return not self.max_train_batch_size or mbs == self.micro_batch_cap or self.gas_for(mbs + 1) < self.gas_for(mbs)
 
     @property

@@ -5,8 +5,9 @@ fast mode) at every allowed micro-batch:
 - rule "list": the user's sizes; rule "fixed": the one size;
 - rule "min": a geometric ladder from the smallest size, four sizes per doubling, plus each knob
   set's predicted memory edge (the throughput often peaks there);
-- with max_train_batch_size the global batch is fixed: only the sizes that fill it
-  (mbs x gas x data-parallel ranks, the largest micro-batch at each gas: TuningPlan.fills_batch).
+- with max_train_batch_size the global batch is at most that: the ladder and the edges too, and
+  the sizes that fill it best (mbs x gas x data-parallel ranks, the largest micro-batch at each
+  gas: TuningPlan.fills_batch); near the memory edge the peak is often a size that fills it less.
 Always at most the micro-batch cap, and only where the memory model gives the configuration a
 chance to fit (P(fits) of at least MIN_P_FIT). The memory savers (savers.py) add their
 configurations where the memory model says they let a larger micro-batch fit.
@@ -40,8 +41,8 @@ def sizes(plan: TuningPlan) -> List[int]:
     if rule.mode == "list":
         return sorted(v for v in set(rule.values) if v <= cap)
     low = rule.values[0]
-    if plan.max_train_batch_size:
-        return [m for m in range(low, cap + 1) if plan.fills_batch(m)]
+    if plan.max_train_batch_size:  # the ladder too: near the memory edge the peak is often a size that fills the batch less
+        return sorted(set(ladder(low, cap)) | {m for m in range(low, cap + 1) if plan.fills_batch(m)})
     return ladder(low, cap)
 
 
@@ -49,7 +50,7 @@ def candidates(plan: TuningPlan, stages: List[int], fit: FitModel, notes: Option
     """Every configuration of the space, with its P(fits); and the memory savers' where they let a
     larger micro-batch fit (savers.py)."""
     allowed = sizes(plan)
-    free = plan.micro_batch.mode == "min" and not plan.max_train_batch_size
+    free = plan.micro_batch.mode == "min"
     out = []
     for stage in stages:
         for knobs in stage_knob_combos(plan, stage):
