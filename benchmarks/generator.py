@@ -692,7 +692,12 @@ def main() -> None:
         score(args)
     else:
         records = [json.loads(Path(path).read_text()) for path in args.records]
-        results = {r["seed"]: r for record in records for r in record["results"]}
+        results: Dict[int, Dict[str, Any]] = {}
+        for record in records:  # one landscape's strategies may come from several records: its runs are pooled
+            for r in record["results"]:
+                into = results.setdefault(r["seed"], {**r, "records": []})
+                done = {(x["strategy"], x["workers"]) for x in into["records"]}
+                into["records"] += [x for x in r["records"] if (x["strategy"], x["workers"]) not in done]
         merged = [results[s] for s in sorted(results)]
         print(summary(merged))
         if args.json:

@@ -191,16 +191,17 @@ def test_summary_scores_strategies_against_each_other_and_the_targets():
 
 
 def test_table_merges_records_by_seed(tmp_path, monkeypatch, capsys):
-    def result(seed):
-        return {"seed": seed, "records": [{"landscape": f"gen_{seed}", "strategy": "model_based", "seed": seed, "workers": 1, "to95": 3, "to99": 4,
+    def result(seed, strategy="model_based"):
+        return {"seed": seed, "records": [{"landscape": f"gen_{seed}", "strategy": strategy, "seed": seed, "workers": 1, "to95": 3, "to99": 4,
                                            "regret": 0.0, "experiments": 9, "wall_hours": 1.0, "wall_hours_to99": 0.5, "failures": 0, "after99": 5}]}
     (tmp_path / "a.json").write_text(json.dumps({"commands": ["score a"], "results": [result(2), result(0)]}))
-    (tmp_path / "b.json").write_text(json.dumps({"commands": ["score b"], "results": [result(1), result(2)]}))
+    (tmp_path / "b.json").write_text(json.dumps({"commands": ["score b"], "results": [result(1), result(2), result(2, "random")]}))
     monkeypatch.setattr(sys, "argv", ["generator.py", "table", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--json", str(tmp_path / "m.json")])
     generator.main()
     assert "### 3 generated landscapes (seeds 0..2)" in capsys.readouterr().out
     merged = json.loads((tmp_path / "m.json").read_text())
     assert merged["commands"] == ["score a", "score b"] and [r["seed"] for r in merged["results"]] == [0, 1, 2]
+    assert [x["strategy"] for x in merged["results"][2]["records"]] == ["model_based", "random"], "a landscape's strategies are pooled, not replaced"
 
 
 SAVER_SEEDS = range(4)
