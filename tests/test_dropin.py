@@ -147,7 +147,7 @@ def test_plan_writes_nothing_and_lists_the_search_first_experiments(tmp_path, mo
     assert code == 0, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.json"]
     first = next(line for line in out.splitlines() if line.startswith("first experiments:"))
-    assert first == "first experiments: z1_gas1_tmbspg2"  # a list: the smallest size first; what follows depends on it
+    assert first == "first experiments: z1_gas1_tmbspg2, z1_gas1_tmbspg4"  # a list: its two smallest sizes (the memory slope); then the search
 
 
 # ---- HF Trainer ----------------------------------------------------------------------------------

@@ -132,7 +132,7 @@ def open_parent_once(tracker: Tracker, store, study: optuna.Study, session: Sess
             console.say(f"mlautotune: warning: the worker that opened session {session.name} has not created its MLflow parent run after "
                         f"{PARENT_WAIT_S} s; this worker's experiments are not tracked (`mlautotune report` fills the parent in later).")
             return
-        tracker.open_parent(study, session.name, {}, {}, [])
+        tracker.open_parent(study, session.name, {}, {}, [], join=True)
     where = tracker.where()
     if where:
         console.say(where)

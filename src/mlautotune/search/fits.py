@@ -22,7 +22,8 @@ under the limit (each draw's limit spread by ALLOCATOR_SLACK: the allocator's so
 Two facts stay hard: a knob set that ran at a micro-batch fits every
 smaller one, and an OOM at a micro-batch means every larger one of the stage with no fewer buffers
 (and the same memory savers) runs out too. The memory savers (savers.py) enter through the memory
-model's prediction: offload removes states, checkpointing scales the growth per sample.
+model's prediction: offload removes states, checkpointing scales the growth per sample by the memory
+model's factor, off by a log-normal k per draw (its peaks weigh the draws like an OOM does).
 """
 
 import math
@@ -39,6 +40,8 @@ WRONG_SHARE = 0.25  # prior mass of the growth per sample spread over the whole 
 MEASURED_SLOPE_SD = 0.25  # log sd of the growth per sample once measured at two sizes of a stage
 PRIOR_SLOPE_SD = 1.0  # ... while it rests on the prior slope
 BUFFER_SD = 0.5  # sd of the buffer formula's factor (around 1)
+CHECKPOINT_SD = 0.5  # log sd of checkpointing's memory factor (memory.py's estimate) before a checkpointed run measured it
+MEASURED_CHECKPOINT_SD = 0.15  # ... after
 RAN_STAGE_SD = 0.02  # a stage's own error, as a share of the limit, once it ran with default knobs
 UNRUN_STAGE_SD = 0.05  # ... before, plus STATES_SD of its model states' difference from a stage that ran
 STATES_SD = 0.5
@@ -114,7 +117,7 @@ class FitModel:
                 mem.model_states(stage) - mem.model_states(near_stage))
         prior_mean = np.array([0.0, 0.0, 0.0, 0.0, 1.0])
         prior_cov = np.diag(np.append(spread**2, BUFFER_SD**2))
-        measured = [(p, float(peak)) for p, status, peak in outcomes if status == "ok" and peak]
+        measured = [(p, float(peak)) for p, status, peak in outcomes if status == "ok" and peak and not _checkpointed(p)]
         mean, cov = np.tile(prior_mean, (len(grid), 1)), prior_cov
         if measured:
             H = np.array([[1.0 if p["stage"] == st else 0.0 for st in range(4)] + [self._shift(p)] for p, _ in measured])
@@ -134,11 +137,16 @@ class FitModel:
         self.s = np.repeat(grid, DRAWS_PER_SLOPE)
         self.d = {stage: theta[:, stage] for stage in range(4)}
         self.b = theta[:, 4]
+        measured_ckpt = any(not oom and "activation_checkpointing" in keys for _, keys, _, _, oom in mem.saver_points)
+        ckpt_sd = MEASURED_CHECKPOINT_SD if measured_ckpt else CHECKPOINT_SD
+        self.k = np.exp(ckpt_sd * rng.standard_normal(len(self.s)))  # how far checkpointing's saving is off
         self.edge_bytes = limit * (1.0 + ALLOCATOR_SLACK * rng.standard_normal(len(self.s)))  # each draw's soft edge
         log_w = np.repeat(log_prior, DRAWS_PER_SLOPE)
         soft = ALLOCATOR_SLACK * limit
         for params, status, peak in outcomes:
             if status == "ok" and peak:
+                if _checkpointed(params):  # linear in (d, b) only given k too: weighed here
+                    log_w += -0.5 * ((self.peaks(params, [params["micro_batch"]])[0] - float(peak)) / (PEAK_SD * float(peak))) ** 2
                 continue
             pred = self.peaks(params, [params["micro_batch"]])[0]
             log_w += _log_norm_cdf((pred - limit) / soft) if status == "oom" else _log_norm_cdf((limit - pred) / soft)
@@ -150,8 +158,17 @@ class FitModel:
         stage, savers = params["stage"], savers_of(params)
         m = np.asarray(sizes, dtype=float)[:, None]
         base = np.array([self.memory.predict(stage, int(x), savers) for x in sizes], dtype=float)[:, None]
-        growth = (self.s - self.slope) * (self.memory.per_sample_with(savers) / self.slope if savers else 1.0)  # checkpointing scales it
-        return base + growth * (m - self.anchor[stage]) + self.b * self._shift(params) + self.d[stage]
+        growth = self._growth(params)  # each draw's per sample, with these savers
+        at = self.anchor[stage]
+        # the draw's fixed part matches the peaks measured at the anchor: base + (slope - s) at + (growth - fitted growth) m
+        return base + (self.slope - self.s) * at + (growth - self._fitted_growth(params)) * m + self.b * self._shift(params) + self.d[stage]
+
+    def _fitted_growth(self, params: Dict[str, Any]) -> float:
+        return self.memory.per_sample_with(savers_of(params)) if _checkpointed(params) else self.slope
+
+    def _growth(self, params: Dict[str, Any]) -> np.ndarray:
+        """Each draw's memory per sample: s, scaled by checkpointing's factor (the memory model's, off by k)."""
+        return self.s * (self._fitted_growth(params) / self.slope) * self.k if _checkpointed(params) else self.s
 
     def effective_draws(self) -> float:
         return float(1.0 / np.sum(self.w**2)) if self.usable else 0.0
@@ -176,9 +193,7 @@ class FitModel:
         if not self.usable:
             return None
         at = max(1, int(round(self.anchor[params["stage"]])))
-        savers = savers_of(params)
-        factor = self.memory.per_sample_with(savers) / self.slope if savers else 1.0
-        edges = at + (self.edge_bytes - self.peaks(params, [at])[0]) / np.maximum(self.s * factor, 1.0)
+        edges = at + (self.edge_bytes - self.peaks(params, [at])[0]) / np.maximum(self._growth(params), 1.0)
         order = np.argsort(edges)
         median = float(edges[order][np.searchsorted(np.cumsum(self.w[order]), 0.5)])
         fits_up_to, fails_from = self._facts(params)
@@ -214,6 +229,10 @@ class FitModel:
         else:
             p = np.full(len(sizes), 0.9 if self.ooms else 1.0)
         return [1.0 if mbs <= fits_up_to else 0.0 if mbs >= fails_from else float(x) for mbs, x in zip(sizes, p)]
+
+
+def _checkpointed(params: Dict[str, Any]) -> bool:
+    return bool(savers_of(params).get("activation_checkpointing"))
 
 
 def group(params: Dict[str, Any]) -> tuple:

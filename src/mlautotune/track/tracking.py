@@ -197,13 +197,14 @@ class Tracker:
 
     # ---- parent ---------------------------------------------------------------------------
     def open_parent(self, study, session: str, params: Dict[str, Any], tags: Dict[str, str], artifacts: Iterable[Path],
-                    group: Optional[str] = None, script: Optional[str] = None) -> Optional[str]:
+                    group: Optional[str] = None, script: Optional[str] = None, join: bool = False) -> Optional[str]:
         """Create or continue the session's parent run. In a Hydra multirun (`group` set), a run
         given by MLFLOW_RUN_ID (`mlflow run`) is not adopted by every job: it becomes the jobs'
-        common parent instead."""
-        return self._call("opening the parent run", self._open_parent, study, session, params, tags, list(artifacts), group, script)
+        common parent instead. A worker that `join`s a session whose report is written leaves the
+        parent finished (the worker that writes the next report finishes it again)."""
+        return self._call("opening the parent run", self._open_parent, study, session, params, tags, list(artifacts), group, script, join)
 
-    def _open_parent(self, study, session, params, tags, artifacts, group, script) -> str:
+    def _open_parent(self, study, session, params, tags, artifacts, group, script, join=False) -> str:
         env_run = os.environ.get("MLFLOW_RUN_ID")
         adopted = env_run if env_run and not group else None
         run_id = adopted or study.user_attrs.get(PARENT_KEY)
@@ -216,7 +217,10 @@ class Tracker:
             run = self.client.get_run(run_id)
             self.experiment_id = run.info.experiment_id
             keep = run.data.tags.get(SESSION_TAG) == session  # a resumed parent keeps its name
-            self.client.update_run(run_id, status="RUNNING", name=run.info.run_name if keep else self._free_name(session, run_id))
+            if join and run.info.status == "FINISHED":
+                run_tags.pop("status")
+            else:
+                self.client.update_run(run_id, status="RUNNING", name=run.info.run_name if keep else self._free_name(session, run_id))
         else:
             self.experiment_id = self.client.get_run(env_run).info.experiment_id if env_run else self._experiment()
             extra = {"mlflow.parentRunId": env_run} if env_run else {}
