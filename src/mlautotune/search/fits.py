@@ -47,7 +47,6 @@ UNRUN_STAGE_SD = 0.05  # ... before, plus STATES_SD of its model states' differe
 STATES_SD = 0.5
 PEAK_SD = 0.03  # a measured peak's error, as a share of it
 ALLOCATOR_SLACK = 0.02  # the soft edge: the peak's spread at the limit, as a share of it
-BUFFER_KNOBS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size")
 
 
 def buffer_bytes(stage: int, knobs: Dict[str, Any], element_bytes: int) -> float:
@@ -144,12 +143,13 @@ class FitModel:
         log_w = np.repeat(log_prior, DRAWS_PER_SLOPE)
         soft = ALLOCATOR_SLACK * limit
         for params, status, peak in outcomes:
-            if status == "ok" and peak:
-                if _checkpointed(params):  # linear in (d, b) only given k too: weighed here
-                    log_w += -0.5 * ((self.peaks(params, [params["micro_batch"]])[0] - float(peak)) / (PEAK_SD * float(peak))) ** 2
-                continue
+            if status == "ok" and peak and not _checkpointed(params):
+                continue  # taken in exactly above
             pred = self.peaks(params, [params["micro_batch"]])[0]
-            log_w += _log_norm_cdf((pred - limit) / soft) if status == "oom" else _log_norm_cdf((limit - pred) / soft)
+            if status == "ok" and peak:  # checkpointed: linear in (d, b) only given k too, so weighed here
+                log_w += -0.5 * ((pred - float(peak)) / (PEAK_SD * float(peak))) ** 2
+            else:
+                log_w += _log_norm_cdf((pred - limit) / soft) if status == "oom" else _log_norm_cdf((limit - pred) / soft)
         w = np.exp(log_w - log_w.max())
         self.w = w / w.sum()
 
@@ -169,9 +169,6 @@ class FitModel:
     def _growth(self, params: Dict[str, Any]) -> np.ndarray:
         """Each draw's memory per sample: s, scaled by checkpointing's factor (the memory model's, off by k)."""
         return self.s * (self._fitted_growth(params) / self.slope) * self.k if _checkpointed(params) else self.s
-
-    def effective_draws(self) -> float:
-        return float(1.0 / np.sum(self.w**2)) if self.usable else 0.0
 
     # ---- what the search asks --------------------------------------------------------------------
     def _buffers(self, params: Dict[str, Any]) -> float:

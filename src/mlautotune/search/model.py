@@ -3,9 +3,11 @@
 Throughput: a Gaussian process (scikit-learn) on the log of the score (higher is better whatever
 the metric), fitted on every measurement of every stage, re-measurements included, each as its own
 noisy observation. Inputs: the stage (one-hot), log2 of the micro-batch and of the gradient
-accumulation, and each knob scaled to 0..1 over its values. The kernel is a constant times an ARD
-Matern 5/2 plus white noise; its hyperparameters are fitted by marginal likelihood once five
-measurements exist (fixed, broad ones before). A measurement's own interval, where the probe gave
+accumulation, each knob scaled to 0..1 over its values, and the memory pressure (fits.py's
+predicted peak over the limit). The kernel (`kernel_of`) adds two ARD Matern 5/2 parts, the
+stage, sizes and pressure's and the knobs', plus white noise; its hyperparameters are fitted by
+marginal likelihood once five measurements exist (fixed, broad ones before), each fit starting
+from the last. A measurement's own interval, where the probe gave
 one, is added to its noise. A configuration nobody measured has the prior's mean and spread: an
 unseen stage is uncertain, not bad.
 
