@@ -39,13 +39,15 @@ from mlautotune.search.samplers.baselines import grid_pick, random_pick
 from mlautotune.search.settings import SearchSettings
 from mlautotune.search.step import Step, StrategyBase
 from mlautotune.search.stop import p_beaten
+from mlautotune.search.warm import Earlier
 
 MARGIN = 0.01  # the stop rule's "better by more than 1%"
 
 
 class Search(StrategyBase):
-    def __init__(self, plan: TuningPlan, settings: SearchSettings):
+    def __init__(self, plan: TuningPlan, settings: SearchSettings, earlier: Optional[Earlier] = None):
         self.plan, self.s = plan, settings
+        self.earlier = earlier
         self.kind = "optuna" if settings.sampler_target else settings.tuner_type  # search.sampler: another Optuna sampler
         self.chooser = make_chooser(settings.seed, settings.sampler_target) if self.kind == "optuna" else None
         self.cap, self.low = plan.micro_batch_cap, min(plan.micro_batch.values)

@@ -14,6 +14,7 @@ from mlautotune.search.ledger import Ledger, Measured
 from mlautotune.search.search import Search
 from mlautotune.search.settings import SearchSettings
 from mlautotune.search.step import Step
+from mlautotune.search.warm import Earlier
 from mlautotune.inputs.space import TuningPlan
 
 
@@ -35,12 +36,13 @@ class Outcome:
 
 class Tuner:
     def __init__(self, plan: TuningPlan, settings: SearchSettings, study: optuna.Study,
-                 make_experiment: Callable[[Dict[str, Any]], Experiment], run: Callable[[Experiment], Result], observers: Any = ()):
+                 make_experiment: Callable[[Dict[str, Any]], Experiment], run: Callable[[Experiment], Result], observers: Any = (),
+                 earlier: Optional[Earlier] = None):
         self.plan, self.s, self.study = plan, settings, study
         self.make_experiment, self.run_experiment = make_experiment, run
         self.observers = list(observers)
         self.ledger = Ledger(study, settings.metric, distributions(plan), alone=settings.alone)
-        self.strategy = Search(plan, settings)
+        self.strategy = Search(plan, settings, earlier)  # earlier: the warm start's prior (search/warm.py)
         self.launched = 0  # experiments started by this process
         self._told: set = set()  # notes and stages already passed to the observers
         self.left: List[str] = []  # the step the budget stopped: its experiment's name and why it was worth running
