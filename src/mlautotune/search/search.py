@@ -39,7 +39,7 @@ from mlautotune.search.samplers.baselines import grid_pick, random_pick
 from mlautotune.search.settings import SearchSettings
 from mlautotune.search.step import Step, StrategyBase
 from mlautotune.search.stop import p_beaten
-from mlautotune.search.warm import Earlier
+from mlautotune.search.warm import Earlier, Warm
 
 MARGIN = 0.01  # the stop rule's "better by more than 1%"
 
@@ -47,7 +47,7 @@ MARGIN = 0.01  # the stop rule's "better by more than 1%"
 class Search(StrategyBase):
     def __init__(self, plan: TuningPlan, settings: SearchSettings, earlier: Optional[Earlier] = None):
         self.plan, self.s = plan, settings
-        self.earlier = earlier
+        self.warm = Warm(earlier, self.score, _noise_var) if earlier is not None and earlier.runs else None
         self.kind = "optuna" if settings.sampler_target else settings.tuner_type  # search.sampler: another Optuna sampler
         self.chooser = make_chooser(settings.seed, settings.sampler_target) if self.kind == "optuna" else None
         self.cap, self.low = plan.micro_batch_cap, min(plan.micro_batch.values)
@@ -67,8 +67,17 @@ class Search(StrategyBase):
         self.all_runs: List[Measured] = []  # the study's runs at the last look
 
     # ---- the model and the declared optimum -----------------------------------------------
+    def memory_runs(self, runs: List[Measured]) -> List[Measured]:
+        """The runs whose memory facts hold in this session: with a warm start on the same hardware,
+        the earlier sessions' too."""
+        return self.warm.memory_runs(runs) if self.warm is not None else runs
+
+    def memory_model(self, runs: List[Measured]):
+        return self.profiling.memory_model(self.memory_runs(runs))
+
     def fit_model(self, runs: List[Measured]) -> FitModel:
         """P(fits) from these runs (cached while they do not change)."""
+        runs = self.memory_runs(runs)
         key = tuple((m.trial_number, m.result.status) for m in runs)
         if self._fits[0] != key:
             self._fits = (key, FitModel(self.plan, self.memory_model(runs), runs, self.s.seed))
@@ -79,6 +88,7 @@ class Search(StrategyBase):
         memory-pressure input comes from the same runs' P(fits) model."""
         fill = self.fit_model(runs).fill
         obs = [Observation(m.params, math.log(self.score(v)), _noise_var(m)) for m in runs if m.value is not None for v in m.values]
+        obs += self.warm.observations(runs) if self.warm is not None else []  # the earlier sessions', offset and blurred (warm.py)
         key = tuple((params_key(o.params), o.log_score, fill(o.params)) for o in obs)
         if self._fitted[0] != key:
             start = self._fitted[1].kernel if self._fitted[1] is not None and len(obs) > MIN_FIT else None
@@ -115,11 +125,13 @@ class Search(StrategyBase):
         self.all_runs = list(runs)
         self.pending_params = list(ledger.pending.values())
         self.pending_repeats = ledger.pending_repeats
+        self.check_warm(runs)
+        mem_runs = self.memory_runs(runs)
         self.memory = self.memory_model(runs)
-        step = self.profiling.step(runs, taken)
-        if step is None and (offload := savers.bootstrap(self.plan, runs, taken, self.s.device)) is not None:
+        step = self.profiling.step(mem_runs, taken)
+        if step is None and (offload := savers.bootstrap(self.plan, mem_runs, taken, self.s.device)) is not None:
             return Step(offload, "every stage ran out of memory at the smallest micro-batch: ZeRO-Offload")
-        if step is not None or not any(m.ok for m in runs):
+        if step is not None or not any(m.ok for m in mem_runs):
             return step
         stages = [s for s in self.plan.stages if self.profiling.feasible(s)]
         fit = self.fit_model(runs)
@@ -128,11 +140,33 @@ class Search(StrategyBase):
         for text in said:
             self.note(text)
         untried, p_fit = [p for p, _ in space], [q for _, q in space]
-        if self.kind == "model_based" and (look := savers.first_look(space, runs, self.pending_params)) is not None:
+        if self.kind == "model_based" and (first := self.warm_first(untried, runs)) is not None:
+            return first
+        if self.kind == "model_based" and (look := savers.first_look(space, mem_runs, self.pending_params)) is not None:
             return Step(*look)
         if self.kind != "model_based":
             return self.sampler_step(untried, p_fit, runs, taken, ledger)
         return self.acquisition_step(untried, p_fit, runs)
+
+    # ---- the warm start (warm.py) ---------------------------------------------------------------------
+    def check_warm(self, runs: List[Measured]) -> None:
+        """The warm start ends where a new run shows another model (another parameter count)."""
+        if self.warm is not None and (n := self.warm.other_model(runs)) is not None:
+            self.note(f"warm start dropped: this session's model has {n:,} parameters, the earlier sessions' {self.warm.num_params:,}; "
+                      "their measurements are not used")
+            self.warm, self._fitted, self._fits = None, (None, None), (None, None)
+        elif self.warm is not None and any(m.ok for m in runs):
+            self.note(f"warm start from {', '.join(self.warm.earlier.sessions)}: {self.warm.describe(runs)}")
+
+    def warm_first(self, untried: List[Dict[str, Any]], runs: List[Measured]) -> Optional[Step]:
+        """On the same hardware, the first experiment measures the earlier optimum again: it tells how
+        today's values compare with the earlier ones."""
+        if self.warm is None or not self.warm.same_hardware or any(m.trial_number >= 0 and m.ok for m in runs) or self.pending_params:
+            return None
+        best = self.warm.optimum()
+        if best is None or params_key(best.params) not in {params_key(p) for p in untried}:
+            return None
+        return Step(dict(best.params), f"warm start: the earlier optimum ({', '.join(self.warm.earlier.sessions)}), measured again")
 
     def acquisition_step(self, untried: List[Dict[str, Any]], p_untried: List[float], runs: List[Measured]) -> Optional[Step]:
         model = self.model(runs).with_fantasies(self.pending_params)
@@ -150,7 +184,7 @@ class Search(StrategyBase):
         else:
             fits_interval[inc] = False  # nothing to fall back on: measuring the only one again changes no choice
         p_fit = np.array(list(p_untried) + [1.0] * len(measured))
-        ok_s, oom_s = self.seconds(runs, params)
+        ok_s, oom_s = self.seconds(self.memory_runs(runs), params)
         g = gain(diff, sd, fits_interval, model.noise_var)
         values = per_second(g, p_fit, ok_s, oom_s)
         rng = np.random.RandomState((self.s.seed * 7919 + len(runs)) % 2**32)

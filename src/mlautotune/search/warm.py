@@ -19,12 +19,16 @@ How the search uses it (search.py):
   start: it is another model.
 """
 
+import math
+import statistics
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
+from mlautotune.search.candidates import params_key
 from mlautotune.search.ledger import Measured
+from mlautotune.search.model import Observation
 
-TAU_SAME = 0.05  # prior spread (log units) of an earlier value against today's, same hardware
+TAU_SAME = 0.03  # prior spread (log units) of an earlier value against today's, same hardware
 TAU_OTHER = 0.25  # ... other hardware or world size
 PRIOR_PAIRS = 2.0  # the prior spread weighs as much as this many pairs
 
@@ -38,3 +42,77 @@ class Earlier:
     same_hardware: bool
     num_params: Optional[int] = None  # the model's parameter count, when an earlier run reported it
     about: Dict[str, str] = field(default_factory=dict)  # session name -> a few words (when, experiments, optimum)
+
+
+class Warm:
+    """The search's view of `Earlier`: which runs count for memory, the earlier throughputs as
+    observations, the first step, and when the warm start no longer applies."""
+
+    def __init__(self, earlier: Earlier, score: Callable[[float], float], noise_var: Callable[[Measured], float]):
+        self.earlier, self.score, self.noise_var = earlier, score, noise_var
+        self.tau0 = TAU_SAME if earlier.same_hardware else TAU_OTHER
+        self.num_params = earlier.num_params or next((int(m.result.metrics["num_params"]) for m in earlier.runs
+                                                       if m.ok and m.result.metrics.get("num_params")), None)
+        self.ok = [m for m in earlier.runs if m.value is not None]
+
+    @property
+    def same_hardware(self) -> bool:
+        return self.earlier.same_hardware
+
+    def other_model(self, runs: List[Measured]) -> Optional[int]:
+        """The parameter count of a new run when it is not the earlier sessions' (then it is another model)."""
+        for m in runs:
+            n = m.result.metrics.get("num_params") if m.ok else None
+            if n and self.num_params and int(n) != self.num_params:
+                return int(n)
+        return None
+
+    def memory_runs(self, runs: List[Measured]) -> List[Measured]:
+        """The runs whose memory facts hold here: the earlier ones too on the same hardware."""
+        if not self.same_hardware or any(m.trial_number < 0 for m in runs):
+            return runs
+        return self.earlier.runs + list(runs)
+
+    def offset(self, runs: List[Measured]) -> Tuple[float, float, int]:
+        """(c, tau^2, pairs): today's log score = an earlier one + c, give or take tau. From the
+        configurations measured in both: c their mean log ratio, tau^2 the spread of the ratios beyond
+        what the measurements' own noise explains, shrunk towards the prior spread."""
+        new = _by_config([m for m in runs if m.value is not None and m.trial_number >= 0])
+        old = _by_config(self.ok)
+        pairs = [(new[k], old[k]) for k in new if k in old]
+        if not pairs:
+            return 0.0, self.tau0**2, 0
+        r = [self._log_median(a) - self._log_median(b) for a, b in pairs]
+        c = sum(r) / len(r)
+        excess = [max(0.0, (x - c) ** 2 - self._var(a) - self._var(b)) for x, (a, b) in zip(r, pairs)]
+        tau2 = (PRIOR_PAIRS * self.tau0**2 + sum(excess)) / (PRIOR_PAIRS + len(pairs))
+        return c, tau2, len(pairs)
+
+    def observations(self, runs: List[Measured]) -> List[Observation]:
+        """The earlier measurements as observations of today's landscape: offset by c, blurred by tau."""
+        c, tau2, _ = self.offset(runs)
+        return [Observation(m.params, math.log(self.score(v)) + c, self.noise_var(m) + tau2) for m in self.ok for v in m.values]
+
+    def optimum(self) -> Optional[Measured]:
+        """The earlier sessions' best configuration by its median measurement."""
+        return max(self.ok, key=lambda m: self.score(m.final_value), default=None)
+
+    def describe(self, runs: List[Measured]) -> str:
+        c, tau2, n = self.offset(runs)
+        if not n:
+            return f"no configuration measured in both yet; an earlier value counts with a ±{math.sqrt(tau2):.0%} spread"
+        return (f"{n} configuration{'s' if n > 1 else ''} measured in both: today = earlier x {math.exp(c):.3f}, "
+                f"each earlier value with a ±{math.sqrt(tau2):.1%} spread")
+
+    def _log_median(self, ms: List[Measured]) -> float:
+        return statistics.median(math.log(self.score(v)) for m in ms for v in m.values)
+
+    def _var(self, ms: List[Measured]) -> float:
+        return min(self.noise_var(m) for m in ms) / max(1, sum(len(m.values) for m in ms))
+
+
+def _by_config(runs: List[Measured]) -> Dict[str, List[Measured]]:
+    out: Dict[str, List[Measured]] = {}
+    for m in runs:
+        out.setdefault(params_key(m.params), []).append(m)
+    return out

@@ -1,0 +1,97 @@
+"""The search with a warm start (search/warm.py): earlier sessions' measurements as its prior, in a real
+tuner loop on a real (in-memory) Optuna study, with a landscape for a runner."""
+
+import math
+from dataclasses import replace
+
+import optuna
+
+from mlautotune.run.experiment import Experiment, Resources
+from mlautotune.search import Tuner
+from mlautotune.search.ledger import Measured
+from mlautotune.search.warm import Earlier, Warm
+from mlautotune.inputs.space import MicroBatchRule
+
+from test_search_v3 import NUM_PARAMS, Sloped, ok, plan_of, settings
+
+PLAN = dict(stages=(0, 1, 2, 3), mbs=MicroBatchRule("min", (1,)))
+
+
+class Scaled(Sloped):
+    """The same landscape, every throughput times `factor` (another driver, a changed argument)."""
+
+    def __init__(self, factor=1.0, num_params=NUM_PARAMS):
+        super().__init__()
+        self.factor, self.num_params = factor, num_params
+
+    def __call__(self, exp):
+        r = super().__call__(exp)
+        if r.status == "ok":
+            r.metrics.update(throughput=r.metrics["throughput"] * self.factor, num_params=self.num_params, trainable_num_params=self.num_params)
+        return r
+
+
+def tune(runner, earlier=None, **kw):
+    study = optuna.create_study(direction="maximize")
+
+    def make(params):
+        return Experiment(f"z{params['stage']}_mbs{params['micro_batch']}", {}, "w", [], Resources(), dict(params))
+
+    tuner = Tuner(plan_of(**PLAN), settings(**kw), study, make, runner, earlier=earlier)
+    return tuner.tune(), tuner
+
+
+def earlier_of(outcome, same_hardware=True):
+    runs = [replace(m, trial_number=-1 - i) for i, m in enumerate(outcome.measured)]
+    return Earlier(sessions=["first"], runs=runs, same_hardware=same_hardware)
+
+
+def test_a_warm_start_on_the_same_hardware_measures_the_earlier_optimum_first_and_few_others():
+    cold_runner = Scaled()
+    cold, _ = tune(cold_runner)
+    warm_runner = Scaled()
+    warm, _ = tune(warm_runner, earlier=earlier_of(cold))
+    assert warm_runner.calls[0] == dict(cold.best.params), "the earlier optimum is measured first"
+    assert len(warm_runner.calls) <= 3 < len(cold_runner.calls), f"{len(warm_runner.calls)} warm experiments against {len(cold_runner.calls)} cold"
+    assert warm.best.params == cold.best.params
+    assert any(n.startswith("warm start from first") for n in warm.notes)
+
+
+def test_a_warm_start_on_other_hardware_profiles_first_and_still_needs_fewer_experiments():
+    cold_runner = Scaled()
+    cold, _ = tune(cold_runner)
+    fresh_runner = Scaled(factor=1.4)
+    fresh, _ = tune(fresh_runner)
+    warm_runner = Scaled(factor=1.4)
+    warm, _ = tune(warm_runner, earlier=earlier_of(cold, same_hardware=False))
+    assert warm_runner.calls[:2] == fresh_runner.calls[:2], "other hardware: memory is not known, profiling runs as in a cold session"
+    assert len(warm_runner.calls) < len(fresh_runner.calls)
+    assert warm.best.params == fresh.best.params
+
+
+def test_a_new_run_of_another_model_drops_the_warm_start():
+    cold, _ = tune(Scaled())
+    runner = Scaled(num_params=2 * NUM_PARAMS)
+    warm, tuner = tune(runner, earlier=earlier_of(cold))
+    assert any(n.startswith("warm start dropped") for n in warm.notes)
+    assert tuner.strategy.warm is None
+
+
+def _measured(number, params, throughput, interval=0.01):
+    return Measured(params, ok(throughput, mbs=params["micro_batch"], interval=interval), number, throughput)
+
+
+def test_the_offset_and_spread_come_from_the_configurations_measured_in_both():
+    configs = [{"stage": s, "micro_batch": 4, "gas": 1} for s in range(4)]
+    earlier = Earlier(["first"], [_measured(-1 - i, p, 100.0 + 10 * i) for i, p in enumerate(configs)], same_hardware=False)
+    warm = Warm(earlier, lambda v: v, lambda m: (m.single_interval / 1.96) ** 2)
+    c, tau2, pairs = warm.offset([])
+    assert (c, pairs) == (0.0, 0) and math.isclose(tau2, 0.25**2)
+    same = [_measured(i, p, 1.2 * (100.0 + 10 * i)) for i, p in enumerate(configs[:3])]  # 20% faster, alike
+    c, tau2_alike, pairs = warm.offset(same)
+    assert pairs == 3 and math.isclose(c, math.log(1.2), rel_tol=1e-6) and tau2_alike < 0.25**2 / 2
+    moved = [_measured(i, p, f * (100.0 + 10 * i)) for i, (p, f) in enumerate(zip(configs[:3], (1.0, 1.4, 0.8)))]  # the order changed
+    _, tau2_moved, _ = warm.offset(moved)
+    assert tau2_moved > tau2_alike
+    obs = warm.observations(same)
+    assert len(obs) == 4 and all(math.isclose(o.log_score, math.log(100.0 + 10 * i) + c) for i, o in enumerate(obs))
