@@ -64,6 +64,7 @@ class Search(StrategyBase):
         self.encoder = Encoder(values)
         self._fitted: Tuple[Any, Optional[ThroughputModel]] = (None, None)
         self._fits: Tuple[Any, Optional[FitModel]] = (None, None)
+        self._memory: Tuple[Any, Optional[MemoryModel]] = (None, None)
         self.all_runs: List[Measured] = []  # the study's runs at the last look
 
     # ---- the model and the declared optimum -----------------------------------------------
@@ -73,7 +74,12 @@ class Search(StrategyBase):
         return self.warm.memory_runs(runs) if self.warm is not None else runs
 
     def memory_model(self, runs: List[Measured]):
-        return self.profiling.memory_model(self.memory_runs(runs))
+        """The memory model from these runs (cached while they do not change)."""
+        runs = self.memory_runs(runs)
+        key = tuple((m.trial_number, m.result.status) for m in runs)
+        if self._memory[0] != key:
+            self._memory = (key, self.profiling.memory_model(runs))
+        return self._memory[1]
 
     def fit_model(self, runs: List[Measured]) -> FitModel:
         """P(fits) from these runs (cached while they do not change)."""
@@ -154,7 +160,7 @@ class Search(StrategyBase):
         if self.warm is not None and (n := self.warm.other_model(runs)) is not None:
             self.note(f"warm start dropped: this session's model has {n:,} parameters, the earlier sessions' {self.warm.num_params:,}; "
                       "their measurements are not used")
-            self.warm, self._fitted, self._fits = None, (None, None), (None, None)
+            self.warm, self._fitted, self._fits, self._memory = None, (None, None), (None, None), (None, None)
         elif self.warm is not None and any(m.ok for m in runs):
             self.note(f"warm start from {', '.join(self.warm.earlier.sessions)}: {self.warm.describe(runs)}")
 
