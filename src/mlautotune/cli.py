@@ -35,7 +35,8 @@ main keys (key=value, Hydra overrides):
   autotuning.<key>=...        any key of the ds_config's autotuning section: tuner_type,
                               tuner_num_trials, metric, fast, results_dir, memory_limit_per_rank ...
   tracking.tracking_uri=URI   MLflow; also tracking.enabled, tracking.experiment_name
-  search.<key>=...            seed, storage, session, sampler, stop_probability, heartbeat_seconds
+  search.<key>=...            seed, storage, session, sampler, stop_probability, heartbeat_seconds,
+                              warm_start
 
 example:
   mlautotune config=ds.json script=train.py script_args='--epochs 1' launcher.num_gpus=8 \\

@@ -22,7 +22,9 @@ from mlautotune.redact import redact, redact_args, redact_text
 from mlautotune.track.report import (MOSTLY_DISTURBED, PROVENANCE_KEY, budget_text, disturbance, disturbance_text, launch_results, report_artifacts,
                                      session_metrics, write_reports)
 from mlautotune.search import METRIC_KEYS, Outcome, Tuner, first_experiments
-from mlautotune.session import SESSION_FILE, Session, hardware_params, open_session
+from mlautotune.session import SESSION_FILE, Session, hardware_params, open_session, session_hardware
+from mlautotune.search.earlier import fingerprint, find_earlier, hardware_text
+from mlautotune.search.warm import Earlier
 from mlautotune.inputs.planned import planned_length, sequence_length
 from mlautotune.inputs.space import experiment_name, plan_text
 from mlautotune.search.candidates import given_batch, given_params, knobs_of_params, params_key
@@ -59,7 +61,8 @@ def session_tracker(session: Session, console: Console) -> Tracker:
 def _tune(session: Session) -> None:
     console = session_console(session)
     study = session.open_study()
-    tuner = Tuner(session.plan, session.search_settings(), study, session.make_experiment, session.run)
+    earlier = warm_start(session, study, console)
+    tuner = Tuner(session.plan, session.search_settings(), study, session.make_experiment, session.run, earlier=earlier)
     tracker = session_tracker(session, console)
     resumed = len(tuner.outcome().measured)
     console.say(
@@ -72,7 +75,8 @@ def _tune(session: Session) -> None:
     session.write_record(status="running", memory_limit_bytes=session.memory_limit_bytes)
     config_yaml = session.results_dir / "config.yaml"
     atomic_write_text(config_yaml, OmegaConf.to_yaml(redact(OmegaConf.to_container(session.cfg, resolve=True))))
-    tracker.open_parent(study, session.name, parent_params(session), {"mode": session.cfg.mode, "metric": session.at.metric}, [session.ds_config_path, config_yaml],
+    tracker.open_parent(study, session.name, parent_params(session), {"mode": session.cfg.mode, "metric": session.at.metric, **warm_tags(study)},
+                        [session.ds_config_path, config_yaml],
                         group=multirun_group(), script=str(session.script))
     where = tracker.where()
     if where:
@@ -121,6 +125,40 @@ def _tune(session: Session) -> None:
     if session.cfg.mode == "run":
         closing["metrics"].update(final_training(session, study, tracker, outcome, console))
     tracker.close_parent(**closing)
+
+
+def warm_start(session: Session, study, console: Console) -> Optional[Earlier]:
+    """Record the session's fingerprint and hardware on its study, and find the earlier sessions of the
+    same model in its storage (search/earlier.py), unless search.warm_start=false. Says what it found."""
+    key, hardware = fingerprint(session.script, session.ds_config, session.script_args), session_hardware(session)
+    study.set_user_attr("fingerprint", key)
+    study.set_user_attr("hardware", hardware)
+    if not session.cfg.search.warm_start:
+        study.set_user_attr("warm_start", None)
+        return None
+    earlier = find_earlier(session.storage, session.name, key, hardware, note=lambda text: console.say(f"mlautotune: {text}"))
+    said = warm_start_text(earlier, session.storage, hardware)
+    console.say(f"mlautotune: {said}")
+    study.set_user_attr("warm_start", {"sessions": earlier.sessions, "same_hardware": earlier.same_hardware} if earlier else None)
+    return earlier
+
+
+def warm_start_text(earlier: Optional[Earlier], storage: str, hardware: Dict[str, Any]) -> str:
+    if earlier is None:
+        return f"warm start: no earlier session of this model in {redact_text(storage)}"
+    sessions = ", ".join(f"{name} ({earlier.about.get(name, '')})" for name in earlier.sessions)
+    how = ("same hardware: the earlier optimum and its near-ties are measured first" if earlier.same_hardware else
+           f"other hardware (this session: {hardware_text(hardware)}): their measurements are the search's prior")
+    return f"warm start: from {sessions}; {how}"
+
+
+def warm_tags(study) -> Dict[str, str]:
+    """The parent run's tags: the model's fingerprint, and the sessions a warm start started from."""
+    tags = {"fingerprint": str(study.user_attrs.get("fingerprint", ""))}
+    warm = study.user_attrs.get("warm_start")
+    if warm:
+        tags["warm_start"] = ",".join(warm["sessions"])
+    return tags
 
 
 def closing_warnings(outcome: Outcome, study, console: Console) -> None:
@@ -186,6 +224,9 @@ def finish(session: Session, study, tracker: Tracker, outcome: Outcome, status: 
         if m.repeats:
             tracker.log_configuration(m.trial_number, METRIC_KEYS[session.at.metric], m.values, m.final_value, step=len(study.trials))
     best = outcome.best
+    num_params = next((m.result.metrics["num_params"] for m in outcome.measured if m.ok and m.result.metrics.get("num_params")), None)
+    if num_params is not None:  # a warm start from this session checks it against its own model's (search/warm.py)
+        study.set_user_attr("num_params", int(num_params))
     ds_optimal = session.make_experiment(best.params).ds_config if best else None
     cmd = optimal_cmd(session, best.params, ds_optimal) if best else None
     record = write_reports(

@@ -264,6 +264,18 @@ def local_ranks(resources: Resources, ws: int) -> int:
     return resources.num_gpus or max(1, ws // (resources.num_nodes or 1))
 
 
+def session_hardware(session: Session) -> Dict[str, Any]:
+    """What a warm start compares with an earlier session's: the accelerator, its memory (null on the
+    CPU), the world size and the memory limit per rank."""
+    memory = None
+    if session.device != "cpu":
+        from deepspeed.accelerator import get_accelerator
+
+        memory = get_accelerator().total_memory()
+    return {"accelerator": session.device, "device_memory_bytes": memory, "world_size": session.world_size,
+            "memory_limit_per_rank": session.memory_limit_bytes}
+
+
 def hardware_params(session: Session) -> Dict[str, Any]:
     import psutil
     from deepspeed.accelerator import get_accelerator

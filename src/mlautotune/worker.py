@@ -24,7 +24,7 @@ from optuna.trial import TrialState
 
 from mlautotune.run.experiment import prepare
 from mlautotune.search.cluster import Heartbeat, claim_once
-from mlautotune.commands import _raise_interrupt, finish, lr_advice, parent_params, session_console, session_tracker
+from mlautotune.commands import _raise_interrupt, finish, lr_advice, parent_params, session_console, session_tracker, warm_start, warm_tags
 from mlautotune.console import Console
 from mlautotune.errors import UserError
 from mlautotune.files import atomic_write_text
@@ -74,7 +74,8 @@ def _work(session: Session) -> None:
     store = session.shared_storage()
     study = session.open_study(store)
     check_world_size(study, session)
-    tuner = Tuner(session.plan, session.search_settings(), study, session.make_experiment, session.run)
+    earlier = warm_start(session, study, console)
+    tuner = Tuner(session.plan, session.search_settings(), study, session.make_experiment, session.run, earlier=earlier)
     tag = WorkerTag()
     console.say(f"mlautotune: worker {tag.name} joins session {session.name} | {len(study.trials)} trials so far | {session.world_size} ranks"
                 f" | metric {session.at.metric} | budget {session.at.tuner_num_trials} experiments for the session")
@@ -123,7 +124,7 @@ def open_parent_once(tracker: Tracker, store, study: optuna.Study, session: Sess
     if not tracker.enabled:
         return
     if claim_once(store, session.name, "parent"):
-        tracker.open_parent(study, session.name, parent_params(session), {"mode": "tune", "metric": session.at.metric}, artifacts, script=str(session.script))
+        tracker.open_parent(study, session.name, parent_params(session), {"mode": "tune", "metric": session.at.metric, **warm_tags(study)}, artifacts, script=str(session.script))
     else:
         deadline = time.monotonic() + PARENT_WAIT_S
         while PARENT_KEY not in study.user_attrs and time.monotonic() < deadline:

@@ -112,6 +112,27 @@ def trial_status(t: FrozenTrial) -> str:
     return t.user_attrs.get("status") or t.state.name.lower()
 
 
+def measurement_of(t: FrozenTrial) -> Measured:
+    """A finished trial that holds a result, as a measurement (its value: COMPLETE trials only)."""
+    return Measured(trial_params(t), Result.from_dict(t.user_attrs["result"]), t.number, t.value if t.state == TrialState.COMPLETE else None)
+
+
+def measured_in(trials: List[FrozenTrial]) -> List[Measured]:
+    """A study's configurations as Ledger reads them, without writing anything: its finished trials
+    with a result (no duplicates, no cut-off or running ones) in trial order, re-measurements folded
+    into their configuration's first measurement."""
+    first: Dict[str, Measured] = {}
+    for t in sorted(trials, key=lambda t: t.number):
+        if t.state not in (TrialState.COMPLETE, TrialState.FAIL) or "result" not in t.user_attrs or "duplicate_of" in t.user_attrs:
+            continue
+        m, key = measurement_of(t), params_key(trial_params(t))
+        if "repeat_of" not in t.user_attrs:
+            first.setdefault(key, m)
+        elif key in first and m.value is not None:
+            first[key].repeats.append(m.value)
+    return list(first.values())
+
+
 class Budget(Exception):
     """tuner_num_trials experiments have been run."""
 
@@ -179,7 +200,7 @@ class Ledger:
                 self.cut_off_times[key] = self.cut_off_times.get(key, 0) + 1
 
     def _reuse(self, t: FrozenTrial) -> None:
-        m = Measured(trial_params(t), Result.from_dict(t.user_attrs["result"]), t.number, t.value if t.state == TrialState.COMPLETE else None)
+        m = measurement_of(t)
         if "repeat_of" in t.user_attrs:
             base = self.measured.get(params_key(m.params))
             if base is not None and m.value is not None:

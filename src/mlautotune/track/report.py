@@ -202,6 +202,10 @@ def write_reports(
     of = f", {len(outcome.measured)} configurations and {repeats} re-measurement{'s' * (repeats != 1)}" if repeats else ""
     ended = "stopped by the budget after" if stopped else "completed in"
     lines.append(f"Tuning {ended} {datetime.timedelta(seconds=round(wall_time_s, 3))}. Total number of experiments: {total}{of}.")
+    warm = (getattr(study, "user_attrs", None) or {}).get("warm_start")
+    if warm:
+        lines.append(f"Warm start: from the earlier session{'s' * (len(warm['sessions']) != 1)} {', '.join(warm['sessions'])} of the same model"
+                     f" ({'same' if warm.get('same_hardware') else 'other'} hardware).")
     if best is not None:
         runs = 1 + len(best.repeats)
         lines.append(f"Optimum: {best.result.name}  {metric}={best.final_value:.6g} (+-{best.interval:.1%}, 95% interval, over {runs} measurement{'s' if runs > 1 else ''})")
