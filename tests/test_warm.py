@@ -1,0 +1,148 @@
+"""Warm start: finding earlier sessions of the same model (search/earlier.py) on a real sqlite Optuna
+storage, the switch search.warm_start, and two real sessions where the second starts from the first."""
+
+import io
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import optuna
+import pytest
+from omegaconf import OmegaConf
+from optuna.distributions import CategoricalDistribution
+from optuna.trial import TrialState, create_trial
+
+from mlautotune.commands import warm_start
+from mlautotune.console import Console
+from mlautotune.search.earlier import MAX_SESSIONS, find_earlier, fingerprint
+from mlautotune.workloads import GPT_SCRIPT
+
+HARDWARE = {"accelerator": "cpu", "device_memory_bytes": None, "world_size": 2, "memory_limit_per_rank": 2**31}
+DISTS = {"stage": CategoricalDistribution([0, 1, 2, 3]), "micro_batch": CategoricalDistribution([1, 2, 4, 8]), "gas": CategoricalDistribution([1])}
+
+
+def trial(mbs, status="ok", value=None, **attrs):
+    """A finished trial as Ledger.record writes it (interrupted: FAIL without a result)."""
+    params = {"stage": 0, "micro_batch": mbs, "gas": 1}
+    if status == "interrupted":
+        return create_trial(params=params, distributions=DISTS, state=TrialState.FAIL, user_attrs={"params": params, "status": "interrupted"})
+    result = {"name": f"z0_gas1_tmbspg{mbs}", "status": status, "metrics": {"throughput": value, "num_params": 1000} if value else {}}
+    return create_trial(params=params, distributions=DISTS, state=TrialState.COMPLETE if value else TrialState.FAIL, value=value,
+                        user_attrs={"params": params, "status": status, "result": result, **attrs})
+
+
+def study(storage, name, key, hardware=HARDWARE, trials=()):
+    s = optuna.create_study(storage=storage, study_name=name, direction="maximize")
+    s.set_user_attr("fingerprint", key)
+    s.set_user_attr("hardware", hardware)
+    for t in trials:
+        s.add_trial(t)
+    return s
+
+
+def snapshot(storage):
+    """Everything in the storage that a reader could change."""
+    out = {}
+    for summary in optuna.get_all_study_summaries(storage):
+        s = optuna.load_study(study_name=summary.study_name, storage=storage)
+        out[summary.study_name] = (dict(s.user_attrs), [(t.number, t.state, t.value, dict(t.user_attrs), dict(t.params)) for t in s.trials])
+    return out
+
+
+def test_find_earlier_matches_the_fingerprint_prefers_the_same_hardware_and_only_reads(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    study(storage, "old", "k", trials=[trial(1, value=10.0), trial(2, value=20.0), trial(2, value=22.0, repeat_of=1),
+                                       trial(4, "oom"), trial(8, "interrupted")])
+    study(storage, "other-model", "x", trials=[trial(1, value=99.0)])
+    study(storage, "elsewhere", "k", hardware={**HARDWARE, "world_size": 8}, trials=[trial(1, value=5.0)])
+    study(storage, "me", "k")  # this session's own study is never its own warm start
+    before = snapshot(storage)
+
+    earlier = find_earlier(storage, "me", "k", HARDWARE)
+    assert earlier.sessions == ["old"] and earlier.same_hardware
+    assert [(m.params["micro_batch"], m.result.status, m.value, m.repeats) for m in earlier.runs] == [(1, "ok", 10.0, []), (2, "ok", 20.0, [22.0]), (4, "oom", None, [])]
+    assert sorted(m.trial_number for m in earlier.runs) == [-3, -2, -1]
+    assert earlier.num_params == 1000 and "3 experiments" not in earlier.about["old"] and "4 experiments" in earlier.about["old"]
+    assert snapshot(storage) == before  # read-only
+
+    other = find_earlier(storage, "me", "k", {**HARDWARE, "world_size": 4})  # none on this hardware: the others are used
+    assert set(other.sessions) == {"old", "elsewhere"} and not other.same_hardware
+    assert find_earlier(storage, "me", "nothing-like-it", HARDWARE) is None
+    missing = tmp_path / "none.db"
+    assert find_earlier(f"sqlite:///{missing}", "me", "k", HARDWARE) is None and not missing.exists()
+
+
+def test_find_earlier_takes_the_newest_sessions(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    for i in range(MAX_SESSIONS + 1):
+        study(storage, f"s{i}", "k", trials=[trial(1, value=float(i + 1))])  # created in order: s3 is the newest
+    earlier = find_earlier(storage, "me", "k", HARDWARE)
+    assert earlier.sessions == [f"s{i}" for i in range(MAX_SESSIONS, 0, -1)]
+    assert len({m.trial_number for m in earlier.runs}) == MAX_SESSIONS
+
+
+def test_the_fingerprint_is_the_model_not_the_other_arguments(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('train')\n")
+    ds = {"optimizer": {"type": "AdamW"}, "bf16": {"enabled": True}}
+    base = fingerprint(script, ds, ["--seq_len", "128", "--lr", "1e-3"])
+    assert fingerprint(script, ds, ["--lr", "3e-4", "--seq_len", "128", "--steps", "9"]) == base
+    assert fingerprint(script, ds, ["--seq_len", "256", "--lr", "1e-3"]) != base
+    assert fingerprint(script, {**ds, "bf16": {"enabled": False}}, ["--seq_len", "128"]) != base
+    assert fingerprint(script, {**ds, "optimizer": {"type": "Lamb"}}, ["--seq_len", "128"]) != base
+    script.write_text("print('train, another model')\n")
+    assert fingerprint(script, ds, ["--seq_len", "128", "--lr", "1e-3"]) != base
+
+
+@pytest.mark.parametrize("on", [True, False], ids=["warm_start=true", "warm_start=false"])
+def test_search_warm_start_false_makes_no_lookup(tmp_path, on):
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    args = ["--seq_len", "32"]
+    key = fingerprint(GPT_SCRIPT, {}, args)
+    study(storage, "old", key, trials=[trial(2, value=20.0)])
+    me = optuna.create_study(storage=storage, study_name="me", direction="maximize")
+    session = SimpleNamespace(script=GPT_SCRIPT, ds_config={}, script_args=args, device="cpu", world_size=2, memory_limit_bytes=2**31,
+                              storage=storage, name="me", cfg=OmegaConf.create({"search": {"warm_start": on}}))
+    out = io.StringIO()
+    earlier = warm_start(session, me, Console("throughput", 5, stream=out))
+    assert me.user_attrs["fingerprint"] == key and me.user_attrs["hardware"] == HARDWARE
+    if on:
+        assert earlier.sessions == ["old"] and me.user_attrs["warm_start"]["sessions"] == ["old"]
+        assert "warm start: from old (" in out.getvalue() and "same hardware" in out.getvalue()
+    else:
+        assert earlier is None and me.user_attrs["warm_start"] is None and "warm start" not in out.getvalue()
+
+
+@pytest.mark.e2e
+def test_a_second_session_with_one_argument_changed_starts_from_the_first(tmp_path):
+    """Stage 0, micro-batches 1, 2, 4 (a space the first session ends by its stop rule); the second
+    session changes the workload's --seed, which does not change the model."""
+    from test_session import QUICK, TINY_MODEL, cli, finish, runs, write_config
+
+    config = write_config(tmp_path / "ds.json", [1, 2, 4], 0, tuner_type="model_based", tuner_num_trials=8)
+    common = [f"config={config}", f"script={GPT_SCRIPT}", "launcher.num_gpus=2", *QUICK]
+    code, out = finish(cli(tmp_path, *common, f"script_args={' '.join(TINY_MODEL)}", script=None))
+    assert code == 0, out
+    assert "warm start: no earlier session of this model in" in out
+    (first,) = runs(tmp_path, "session")
+    first_name = first.data.params["session"]
+
+    code, out = finish(cli(tmp_path, *common, f"script_args={' '.join(TINY_MODEL + ['--seed', '7'])}", script=None))
+    assert code == 0, out
+    assert f"warm start: from {first_name} (" in out and "same hardware" in out, out
+    (second,) = [r for r in runs(tmp_path, "session") if r.info.run_id != first.info.run_id]
+    second_name = second.data.params["session"]
+    assert second_name != first_name and second.data.tags["warm_start"] == first_name
+    assert second.data.tags["fingerprint"] == first.data.tags["fingerprint"]
+    summary = (tmp_path / "autotuning_results" / "summary.txt").read_text()
+    assert f"Warm start: from the earlier session {first_name} of the same model (same hardware)." in summary
+
+    storage = f"sqlite:///{tmp_path / 'autotuning_results' / 'optuna.db'}"
+    earlier = optuna.load_study(study_name=first_name, storage=storage)
+    now = optuna.load_study(study_name=second_name, storage=storage)
+    launched = [t for t in now.trials if "result" in t.user_attrs]
+    assert len(launched) <= 3, [t.user_attrs["name"] for t in launched]
+    a, b = earlier.user_attrs["optimum"], now.user_attrs["optimum"]
+    interval = first.data.metrics["best_interval_rel"]
+    assert b["experiment"] == a["experiment"] or abs(b["throughput"] - a["throughput"]) <= interval * a["throughput"], (a, b, interval)
+    assert json.loads((tmp_path / "autotuning_results" / "ds_config_optimal.json").read_text())["mlautotune"]["session"] == second_name
