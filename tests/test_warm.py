@@ -115,17 +115,20 @@ def test_search_warm_start_false_makes_no_lookup(tmp_path, on):
 
 @pytest.mark.e2e
 def test_a_second_session_with_one_argument_changed_starts_from_the_first(tmp_path):
-    """Stage 0, micro-batches 1, 2, 4 (a space the first session ends by its stop rule); the second
-    session changes the workload's --seed, which does not change the model."""
+    """Stages 0 and 1, micro-batches 1, 2, 4, 8: a space the first session ends by its stop rule, after
+    more than 3 experiments. The second session changes the workload's --seed, which does not change
+    the model."""
     from test_session import QUICK, TINY_MODEL, cli, finish, runs, write_config
 
-    config = write_config(tmp_path / "ds.json", [1, 2, 4], 0, tuner_type="model_based", tuner_num_trials=8)
+    config = write_config(tmp_path / "ds.json", [1, 2, 4, 8], [0, 1], tuner_type="model_based", tuner_num_trials=16)
     common = [f"config={config}", f"script={GPT_SCRIPT}", "launcher.num_gpus=2", *QUICK]
     code, out = finish(cli(tmp_path, *common, f"script_args={' '.join(TINY_MODEL)}", script=None))
     assert code == 0, out
     assert "warm start: no earlier session of this model in" in out
     (first,) = runs(tmp_path, "session")
     first_name = first.data.params["session"]
+    assert first.data.tags["search"] == "finished"  # its stop rule ended it, not the budget
+    assert first.data.metrics["num_experiments"] > 3, out  # so that a second session's 3 experiments at most are the warm start's doing
 
     code, out = finish(cli(tmp_path, *common, f"script_args={' '.join(TINY_MODEL + ['--seed', '7'])}", script=None))
     assert code == 0, out
