@@ -68,6 +68,11 @@ def test_find_earlier_matches_the_fingerprint_prefers_the_same_hardware_and_only
     other = find_earlier(storage, "me", "k", {**HARDWARE, "world_size": 4})  # none on this hardware: the others are used
     assert set(other.sessions) == {"old", "elsewhere"} and not other.same_hardware
     assert find_earlier(storage, "me", "nothing-like-it", HARDWARE) is None
+    broken = study(storage, "broken", "k")  # the newest: a result that is no result
+    broken.add_trial(create_trial(params={"stage": 0, "micro_batch": 1, "gas": 1}, distributions=DISTS, value=1.0, user_attrs={"result": "garbage"}))
+    notes = []
+    assert find_earlier(storage, "me", "k", HARDWARE, note=notes.append).sessions == ["old"]
+    assert len(notes) == 1 and "skipped the earlier session broken" in notes[0]
     missing = tmp_path / "none.db"
     assert find_earlier(f"sqlite:///{missing}", "me", "k", HARDWARE) is None and not missing.exists()
 
