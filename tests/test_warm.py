@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState, create_trial
 
-from mlautotune.commands import warm_start
+from mlautotune.commands import recorded_earlier, warm_start
 from mlautotune.console import Console
 from mlautotune.search.earlier import MAX_SESSIONS, find_earlier, fingerprint
 from mlautotune.workloads import GPT_SCRIPT
@@ -116,6 +116,24 @@ def test_search_warm_start_false_makes_no_lookup(tmp_path, on):
         assert "warm start: from old (" in out.getvalue() and "same hardware" in out.getvalue()
     else:
         assert earlier is None and me.user_attrs["warm_start"] is None and "warm start" not in out.getvalue()
+
+
+def test_a_resumed_session_and_a_report_start_from_the_sessions_it_started_from(tmp_path):
+    """A resumed session (or another worker, or `mlautotune report`) uses the earlier sessions recorded
+    on its study, and not one that appeared since: the same prior, the same declared optimum."""
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    args = ["--seq_len", "32"]
+    key = fingerprint(GPT_SCRIPT, {}, args)
+    study(storage, "old", key, trials=[trial(2, value=20.0)])
+    me = optuna.create_study(storage=storage, study_name="me", direction="maximize")
+    session = SimpleNamespace(script=GPT_SCRIPT, ds_config={}, script_args=args, device="cpu", world_size=2, memory_limit_bytes=2**31,
+                              storage=storage, name="me", cfg=OmegaConf.create({"search": {"warm_start": True}}))
+    assert warm_start(session, me, Console("throughput", 5, stream=io.StringIO())).sessions == ["old"]
+    me.add_trial(trial(4, value=30.0))  # the session ran, then stopped
+    study(storage, "newer", key, trials=[trial(8, value=40.0)])  # another session of the model, since
+    assert find_earlier(storage, "me", key, HARDWARE).sessions == ["newer", "old"], "a fresh lookup would take it"
+    resumed = warm_start(session, optuna.load_study(study_name="me", storage=storage), Console("throughput", 5, stream=io.StringIO()))
+    assert resumed.sessions == ["old"] and recorded_earlier(session, me).sessions == ["old"]
 
 
 @pytest.mark.e2e

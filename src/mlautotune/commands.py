@@ -136,11 +136,23 @@ def warm_start(session: Session, study, console: Console) -> Optional[Earlier]:
     if not session.cfg.search.warm_start:
         study.set_user_attr("warm_start", None)
         return None
+    if study.trials and "warm_start" in study.user_attrs:  # resumed, or another worker's: the sessions it started from, no others
+        return recorded_earlier(session, study, note=lambda text: console.say(f"mlautotune: {text}"))
     earlier = find_earlier(session.storage, session.name, key, hardware, note=lambda text: console.say(f"mlautotune: {text}"))
     said = warm_start_text(earlier, session.storage, hardware)
     console.say(f"mlautotune: {said}")
     study.set_user_attr("warm_start", {"sessions": earlier.sessions, "same_hardware": earlier.same_hardware} if earlier else None)
     return earlier
+
+
+def recorded_earlier(session: Session, study, note=lambda text: None) -> Optional[Earlier]:
+    """The earlier sessions this session's study says it started from (None if none): a resumed
+    session, another worker and a report decide on the same prior as the session did."""
+    warm = study.user_attrs.get("warm_start")
+    if not warm:
+        return None
+    return find_earlier(session.storage, session.name, study.user_attrs.get("fingerprint", ""), study.user_attrs.get("hardware") or {},
+                        note=note, only=list(warm["sessions"]))
 
 
 def warm_start_text(earlier: Optional[Earlier], storage: str, hardware: Dict[str, Any]) -> str:

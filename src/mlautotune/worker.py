@@ -24,7 +24,7 @@ from optuna.trial import TrialState
 
 from mlautotune.run.experiment import prepare
 from mlautotune.search.cluster import Heartbeat, claim_once
-from mlautotune.commands import _raise_interrupt, finish, lr_advice, parent_params, session_console, session_tracker, warm_start, warm_tags
+from mlautotune.commands import _raise_interrupt, finish, lr_advice, parent_params, recorded_earlier, session_console, session_tracker, warm_start, warm_tags
 from mlautotune.console import Console
 from mlautotune.errors import UserError
 from mlautotune.files import atomic_write_text
@@ -163,7 +163,8 @@ def write_report(session: Session, study: optuna.Study, tracker: Tracker, consol
     """The report over every worker's trials, and the parent run closed with it. Child runs of trials
     cut off (a worker killed or interrupted; each was run again) are removed, so every experiment is
     recorded once."""
-    outcome = Tuner(session.plan, session.search_settings(), study, session.make_experiment, session.run).outcome()
+    earlier = recorded_earlier(session, study)  # the same prior as the session's: the same declared optimum
+    outcome = Tuner(session.plan, session.search_settings(), study, session.make_experiment, session.run, earlier=earlier).outcome()
     running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
     status = "partial" if running else "complete" if outcome.best is not None else "failed"
     tracker.open_parent(study, session.name, {}, {}, [])  # the parent run, and its children as they are now

@@ -67,11 +67,12 @@ def _sqlite_missing(storage: str) -> bool:
 
 
 def find_earlier(storage: str, study_name: str, key: str, hardware: Dict[str, Any],
-                 note: Callable[[str], None] = lambda text: None) -> Optional[Earlier]:
+                 note: Callable[[str], None] = lambda text: None, only: Optional[List[str]] = None) -> Optional[Earlier]:
     """The newest MAX_SESSIONS other studies in `storage` with this fingerprint (`key`), their
     experiments as measurements numbered -1, -2, ...; None when there are none. Sessions on the same
     hardware (the study's `hardware` attribute equals `hardware`) are preferred; only when there are
-    none are those on other hardware used."""
+    none are those on other hardware used. `only`: these studies and no others (what a resumed session
+    or a report started from)."""
     if _sqlite_missing(storage):
         return None
     try:
@@ -79,7 +80,8 @@ def find_earlier(storage: str, study_name: str, key: str, hardware: Dict[str, An
     except Exception as e:  # an unreadable storage never fails the session
         note(f"warm start: the study storage could not be read ({type(e).__name__}); starting cold")
         return None
-    matching = [s for s in summaries if s.study_name != study_name and s.user_attrs.get("fingerprint") == key]
+    matching = [s for s in summaries if s.study_name != study_name and s.user_attrs.get("fingerprint") == key
+                and (only is None or s.study_name in only)]
     matching.sort(key=lambda s: s.datetime_start or datetime.min, reverse=True)
     same = [s for s in matching if s.user_attrs.get("hardware") == hardware]
     chosen = same or matching
