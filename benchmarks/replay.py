@@ -42,9 +42,18 @@ HERE = Path(__file__).parent
 STRATEGIES = ("model_based", "gridsearch", "random", "deepspeed_baseline")
 
 
-def run_product(land: Dict[str, Any], runner: LandscapeRunner, tuner_type: str, seed: int, workers: int = 1) -> Optional[Dict[str, Any]]:
+def run_product(land: Dict[str, Any], runner: LandscapeRunner, tuner_type: str, seed: int, workers: int = 1,
+                earlier: Any = None) -> Optional[Dict[str, Any]]:
     """The adapter to the product: run its search with its defaults on the landscape, with `workers`
-    tuners on one study in simulated time (parallel.py); the declared optimum's params."""
+    tuners on one study in simulated time (parallel.py); the declared optimum's params. `earlier`:
+    a warm start (`earlier_of`)."""
+    best = run_tuner(land, runner, tuner_type, seed, workers, earlier).best()
+    return dict(best.params) if best else None
+
+
+def run_tuner(land: Dict[str, Any], runner: LandscapeRunner, tuner_type: str, seed: int, workers: int = 1, earlier: Any = None) -> Any:
+    """run_product's search; the first tuner at its end (its `best()` is the declared optimum, its
+    `ledger.order` the measured runs)."""
     import optuna
 
     from mlautotune.inputs.config import AutotuningConf, SearchConf
@@ -74,12 +83,28 @@ def run_product(land: Dict[str, Any], runner: LandscapeRunner, tuner_type: str, 
 
     def make_tuner(storage):
         study = optuna.create_study(storage=storage, study_name="replay", direction="maximize", load_if_exists=True)
-        return Tuner(plan, replace(settings, alone=workers == 1), study, make_experiment, run)
+        return Tuner(plan, replace(settings, alone=workers == 1), study, make_experiment, run, earlier=earlier)
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     logging.getLogger("mlautotune").setLevel(logging.ERROR)
-    best = parallel.simulate(make_tuner, optuna.storages.InMemoryStorage(), workers, runner).best()
-    return dict(best.params) if best else None
+    return parallel.simulate(make_tuner, optuna.storages.InMemoryStorage(), workers, runner)
+
+
+def replay_session(land: Dict[str, Any], seed: int, earlier: Any = None):
+    """One model_based search with 1 worker, as a session the next one can start from: (runner with
+    its log, declared optimum's params or None, the session's measured runs for `earlier_of`)."""
+    runner = LandscapeRunner(land, seed=seed)
+    tuner = run_tuner(land, runner, "model_based", seed, 1, earlier)
+    best = tuner.best()
+    return runner, dict(best.params) if best else None, list(tuner.ledger.order)
+
+
+def earlier_of(runs: List[Any], session: str, same_hardware: bool) -> Any:
+    """The product's warm start from one earlier session's measured runs (replay_session's), numbered
+    -1, -2, ... as earlier runs are."""
+    from mlautotune.search.warm import Earlier
+
+    return Earlier(sessions=[session], runs=[replace(m, trial_number=-1 - i) for i, m in enumerate(runs)], same_hardware=same_hardware)
 
 
 def replay(land: Dict[str, Any], strategy: str, seed: int, workers: int = 1):
