@@ -134,7 +134,8 @@ class Search(StrategyBase):
         self.check_warm(runs)
         mem_runs = self.memory_runs(runs)
         self.memory = self.memory_model(runs)
-        step = self.profiling.step(mem_runs, taken)
+        known = taken | {params_key(m.params) for m in mem_runs}  # what an earlier session on this hardware ran needs no profiling run
+        step = self.profiling.step(mem_runs, known)
         if step is None and (offload := savers.bootstrap(self.plan, mem_runs, taken, self.s.device)) is not None:
             return Step(offload, "every stage ran out of memory at the smallest micro-batch: ZeRO-Offload")
         if step is not None or not any(m.ok for m in mem_runs):
