@@ -3,9 +3,10 @@
     python benchmarks/tables.py                      # all of them, each under the README section it goes in
     python benchmarks/tables.py /tmp/replay.json     # the replay tables of any `replay.py --json` record
 
-The records: results/replay_20seeds.json (every strategy, 1, 2 and 4 simulated workers, 20 seeds),
-results/replay_w1_60seeds.json and replay_w4_60seeds.json (model_based over 60 seeds, with 1 and 4
-workers; the first also holds the DeepSpeed baseline), results/noise_*.json (noise.py),
+The records: results/fixed8_w1.json (the search and the DeepSpeed baseline on the eight fixed
+landscapes, 10 seeds, 1 worker), results/replay_w1_60seeds.json (the step-rule search the search
+replaced, and the DeepSpeed baseline, 60 seeds, 1 worker: the fixed eight's comparison baseline),
+results/noise_*.json (noise.py),
 results/overhead.json (overhead.py), results/versus_deepspeed.json (versus_deepspeed.py) and the
 recorded landscapes in landscapes/ (resolution.py's table).
 
@@ -297,35 +298,47 @@ def resolution_table() -> str:
     return re.sub(r"(\w+)=(\w+)", lambda m: f"{short(m.group(1))}={knob_value(m.group(2))}", text)
 
 
-def fixed8_table(record: Dict[str, Any]) -> str:
-    """The fixed eight landscapes with the search and with the step-rule search it replaced
-    (results/fixed8_v3_vs_rules.json; each record's `search` names the one it ran): per landscape, both
-    rows and whether the search is no worse on regret (its median and its worst at most the rules')."""
-    records = [r for r in record["records"] if r["strategy"] == "model_based"]
-    out = ["| landscape | search | experiments to 99% | final regret (median / worst) | experiments (median) | no worse on regret |",
-           "|---|---|---:|---:|---:|---|"]
+FIXED8 = "fixed8_w1.json"  # the search and the DeepSpeed baseline on the eight fixed landscapes, 10 seeds, 1 worker
+RULES, RULES_SEEDS = "replay_w1_60seeds.json", range(10)  # the baseline: the step-rule search the search replaced, the same seeds
+
+
+def records_of(data: Any) -> List[Dict[str, Any]]:
+    """A replay record's rows: `replay.py --json` writes a list; a kept record wraps it with its commands."""
+    return data["records"] if isinstance(data, dict) else data
+
+
+def rules_baseline() -> List[Dict[str, Any]]:
+    """The step-rule search's 1-worker runs on seeds 0-9 (its model_based rows in results/replay_w1_60seeds.json)."""
+    return [r for r in load(RULES) if r["strategy"] == "model_based" and r.get("workers", 1) == 1 and r["seed"] in RULES_SEEDS]
+
+
+def fixed8_table(search: List[Dict[str, Any]], rules: List[Dict[str, Any]]) -> str:
+    """The fixed eight landscapes with the search (results/fixed8_w1.json) and with the baseline, the
+    step-rule search it replaced (rules_baseline): per landscape, both rows, the seeds that reached 99%,
+    and whether the search is no worse on regret (its median and its worst at most the rules')."""
+    search = [r for r in search if r["strategy"] == "model_based"]
+    out = ["| landscape | search | reached 99% | experiments to 99% | final regret (median / worst) | experiments (median) | no worse on regret |",
+           "|---|---|---:|---:|---:|---:|---|"]
     worse = []
-    for name in dict.fromkeys(r["landscape"] for r in records):
-        by = {s: [r for r in records if r["landscape"] == name and r["search"] == s] for s in ("v3", "rules")}
-        (mv, wv), (mr, wr) = [(median([r["regret"] for r in by[s]]), max(r["regret"] for r in by[s])) for s in ("v3", "rules")]
+    for name in dict.fromkeys(r["landscape"] for r in search):
+        by = {"search": [r for r in search if r["landscape"] == name], "rules": [r for r in rules if r["landscape"] == name]}
+        (mv, wv), (mr, wr) = [(median([r["regret"] for r in by[s]]), max(r["regret"] for r in by[s])) for s in ("search", "rules")]
         verdict = "yes" if mv <= mr + 1e-9 and wv <= wr + 1e-9 else "no: " + ", ".join(
             f"{what} {a:.2%} vs {b:.2%}" for what, a, b in (("median", mv, mr), ("worst", wv, wr)) if a > b + 1e-9)
         if verdict != "yes":
             worse.append(name)
-        for s, label in (("v3", "the search"), ("rules", "step rules")):
+        for s, label in (("search", "the search"), ("rules", "baseline: step rules")):
             rs = by[s]
-            out.append(f"| {name} | {label} | {steps([r['to99'] for r in rs])} | {median([r['regret'] for r in rs]):.1%} / {max(r['regret'] for r in rs):.1%} | "
-                       f"{median([r['experiments'] for r in rs]):g} | {verdict if s == 'v3' else ''} |")
-    n = len({r["landscape"] for r in records})
-    total = {s: sum(r["experiments"] for r in records if r["search"] == s) for s in ("v3", "rules")}
+            out.append(f"| {name} | {label} | {sum(r['to99'] is not None for r in rs)}/{len(rs)} | {steps([r['to99'] for r in rs])} | "
+                       f"{median([r['regret'] for r in rs]):.1%} / {max(r['regret'] for r in rs):.1%} | "
+                       f"{median([r['experiments'] for r in rs]):g} | {verdict if s == 'search' else ''} |")
+    n = len({r["landscape"] for r in search})
+    total = {s: sum(r["experiments"] for r in rs) for s, rs in (("search", search), ("rules", rules))}
+    reached = {s: sum(r["to99"] is not None for r in rs) for s, rs in (("search", search), ("rules", rules))}
     out += ["", f"- no worse on regret on {n - len(worse)} of {n} landscapes" + (f"; worse on {', '.join(worse)}" if worse else ""),
-            f"- experiments in all: the search {total['v3']}, step rules {total['rules']} ({total['v3'] / total['rules']:.1f}x)"]
+            f"- reached 99%: the search {reached['search']} of {len(search)} runs, step rules {reached['rules']} of {len(rules)}",
+            f"- experiments in all: the search {total['search']}, step rules {total['rules']} ({total['search'] / total['rules']:.1f}x)"]
     return "\n".join(out)
-
-
-def fixed8_search(record: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """The search's runs and the DeepSpeed baseline's, for targets()."""
-    return [r for r in record["records"] if r.get("search", "v3") == "v3" or r["strategy"] == "deepspeed_baseline"]
 
 
 GENERATED_W1, GENERATED_W4 = "generator_200_w1.json", "generator_30_w4.json"  # the search's records on generated landscapes
@@ -360,7 +373,7 @@ def generated_rows(link: str) -> List[tuple]:
 
 def headline() -> str:
     """README.md's table: one line per benchmark, today's figure and its target."""
-    t10 = target_figures(fixed8_search(load("fixed8_v3_vs_rules.json")))
+    t10 = target_figures(records_of(load(FIXED8)))
     noise = load("noise_fixed_vs_pinned.json")["summary"]["pinned"]
     versus = versus_ratios(load("versus_deepspeed.json"))
     link = "benchmarks/README.md"
@@ -403,12 +416,12 @@ def all_tables() -> str:
     sections = [("README.md, Benchmarks", headline())]
     if (RESULTS / "overhead.json").exists():
         sections.append(("benchmarks/README.md, Runner overhead (results/overhead.json)", overhead_table(load("overhead.json"))))
-    fixed8 = load("fixed8_v3_vs_rules.json")
+    fixed8 = records_of(load(FIXED8))
     sections += [
         ("benchmarks/README.md, Landscapes (landscapes/)", landscapes_table()),
         ("benchmarks/README.md, How finely the CPU truths tell the best (landscapes/cpu_*.json)", resolution_table()),
-        ("benchmarks/README.md, Search replay, 10 seeds, 1 worker (results/fixed8_v3_vs_rules.json)",
-         fixed8_table(fixed8) + "\n" + targets(fixed8_search(fixed8))),
+        ("benchmarks/README.md, Search replay, 10 seeds, 1 worker (results/fixed8_w1.json; baseline: results/replay_w1_60seeds.json)",
+         fixed8_table(fixed8, rules_baseline()) + "\n" + targets(fixed8)),
         ("benchmarks/README.md, Measurement noise (results/noise_fixed_vs_pinned.json)", noise_table(load("noise_fixed_vs_pinned.json"))),
         ("benchmarks/README.md, Measurement noise, window budget (results/noise_budget_4.5s_vs_9s.json)", noise_table(load("noise_budget_4.5s_vs_9s.json"))),
         ("benchmarks/README.md, Measurement noise, script length (results/noise_window_length.json)", window_length_table(load("noise_window_length.json"))),
@@ -418,7 +431,7 @@ def all_tables() -> str:
 
 
 def main(argv: List[str]) -> None:
-    print(replay_tables(json.loads(Path(argv[0]).read_text())) if argv else all_tables())
+    print(replay_tables(records_of(json.loads(Path(argv[0]).read_text()))) if argv else all_tables())
 
 
 if __name__ == "__main__":
