@@ -73,21 +73,6 @@ def test_the_gain_of_a_measurement_is_zero_once_the_intervals_part():
     assert g[0] > 0 and g[1] == 0
 
 
-def test_one_more_measurement_is_worth_less_where_the_measurements_are_noisier():
-    """The variance of the next measurement is the model's white noise plus the measurements' own
-    (their intervals), not the white noise alone: a re-measurement of a near-tie measured with a wide
-    interval moves its posterior less."""
-    plan = plan_of()
-    search, ledger = Search(plan, settings()), ledger_with(plan, [(Z0, ok(100.0, interval=0.1)), (Z1, ok(99.5, interval=0.1))])
-    runs = ledger.order
-    own = search.measurement_var(runs)
-    assert math.isclose(own, (0.1 / 1.96) ** 2, rel_tol=0.01)
-    model = search.model(runs)
-    (mu0, mu1), (sd0, sd1) = model.predict([Z0, Z1])
-    narrow, wide = (gain(np.array([mu1 - mu0]), np.array([sd1]), np.array([True]), v)[0] for v in (model.noise_var, model.noise_var + own))
-    assert wide < narrow
-
-
 def test_an_oom_risky_candidate_loses_to_an_equal_safe_one():
     values = per_second(np.array([0.05, 0.05]), p_fit=[0.5, 1.0], seconds_ok=[60.0, 60.0], seconds_oom=[50.0, 50.0])
     assert values[1] > values[0]

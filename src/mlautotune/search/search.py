@@ -192,11 +192,10 @@ class Search(StrategyBase):
             fits_interval[inc] = False  # nothing to fall back on: measuring the only one again changes no choice
         p_fit = np.array(list(p_untried) + [1.0] * len(measured))
         ok_s, oom_s = self.seconds(self.memory_runs(runs), params)
-        noise = model.noise_var + self.measurement_var(runs)
-        g = gain(diff, sd, fits_interval, noise)
+        g = gain(diff, sd, fits_interval, model.noise_var)
         values = per_second(g, p_fit, ok_s, oom_s)
         rng = np.random.RandomState((self.s.seed * 7919 + len(runs)) % 2**32)
-        p = p_beaten(model, params[inc], untried, p_fit[:n], [q for i, q in enumerate(params[n:], n) if i != inc], MARGIN, rng, noise)
+        p = p_beaten(model, params[inc], untried, p_fit[:n], [q for i, q in enumerate(params[n:], n) if i != inc], MARGIN, rng)
         if p < self.s.stop_probability or not np.isfinite(values).any() or values.max() <= 0:
             self.note(f"stopped: the probability that one more measurement shows a configuration better than the best by more than {MARGIN:.0%} "
                       f"is {p:.1%}, under search.stop_probability={self.s.stop_probability:g}")
@@ -207,13 +206,6 @@ class Search(StrategyBase):
             return Step(untried[i], why)
         m = measured[i - n]
         return Step(m.params, f"measured again: {why}, within the interval of the best", repeat_of=m)
-
-    @staticmethod
-    def measurement_var(runs: List[Measured]) -> float:
-        """The variance of one more measurement beyond what the model calls noise: the median of this
-        session's measurements' own (their intervals); the model's white noise is the rest."""
-        own = [_noise_var(m) for m in runs if m.ok and m.trial_number >= 0]
-        return statistics.median(own) if own else 0.0
 
     def seconds(self, runs: List[Measured], params: List[Dict[str, Any]]) -> Tuple[List[float], List[float]]:
         """Expected seconds of each candidate's experiment, run and OOM: the medians of its stage's, else of all."""

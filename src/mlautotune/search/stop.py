@@ -12,7 +12,7 @@ search open while one more measurement of it may still decide; one far behind do
 """
 
 import math
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Sequence
 
 import numpy as np
 
@@ -23,10 +23,9 @@ TOP = 120
 
 
 def p_beaten(model: ThroughputModel, incumbent: Dict[str, Any], untried: List[Dict[str, Any]], p_fit: Sequence[float],
-             measured: List[Dict[str, Any]], margin: float, rng: np.random.RandomState, noise_var: Optional[float] = None) -> float:
+             measured: List[Dict[str, Any]], margin: float, rng: np.random.RandomState) -> float:
     """P(one more measurement shows a configuration of `untried` (that fits) or of `measured` more than
-    `margin` better than `incumbent`); `noise_var`: the variance of one more measurement (default: the
-    model's white noise)."""
+    `margin` better than `incumbent`)."""
     threshold = math.log1p(margin)
     p_untried = 0.0
     if untried:
@@ -43,7 +42,6 @@ def p_beaten(model: ThroughputModel, incumbent: Dict[str, Any], untried: List[Di
 
         (mu_inc,), _ = model.predict([incumbent])
         mu, sd = model.predict(measured)
-        noise = model.noise_var if noise_var is None else noise_var
-        moved = sd**2 / np.sqrt(sd**2 + noise)  # how far one more draw moves each posterior mean
+        moved = sd**2 / np.sqrt(sd**2 + model.noise_var)  # how far one more draw moves each posterior mean
         p_none *= float(np.prod(1.0 - norm.sf((threshold - (mu - mu_inc)) / np.maximum(moved, 1e-12))))
     return 1.0 - p_none
