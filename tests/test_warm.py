@@ -99,8 +99,9 @@ def test_the_fingerprint_is_the_model_not_the_other_arguments(tmp_path):
     assert fingerprint(script, ds, ["--seq_len", "128", "--lr", "1e-3"]) != base
 
 
-@pytest.mark.parametrize("on", [True, False], ids=["warm_start=true", "warm_start=false"])
-def test_search_warm_start_false_makes_no_lookup(tmp_path, on):
+def earlier_and_me(tmp_path, on):
+    """A storage with an earlier session "old" of the workload's model, this session's empty study "me",
+    and a stand-in session with search.warm_start=on."""
     storage = f"sqlite:///{tmp_path / 'optuna.db'}"
     args = ["--seq_len", "32"]
     key = fingerprint(GPT_SCRIPT, {}, args)
@@ -108,6 +109,12 @@ def test_search_warm_start_false_makes_no_lookup(tmp_path, on):
     me = optuna.create_study(storage=storage, study_name="me", direction="maximize")
     session = SimpleNamespace(script=GPT_SCRIPT, ds_config={}, script_args=args, device="cpu", world_size=2, memory_limit_bytes=2**31,
                               storage=storage, name="me", cfg=OmegaConf.create({"search": {"warm_start": on}}))
+    return storage, key, me, session
+
+
+@pytest.mark.parametrize("on", [True, False], ids=["warm_start=true", "warm_start=false"])
+def test_search_warm_start_false_makes_no_lookup(tmp_path, on):
+    storage, key, me, session = earlier_and_me(tmp_path, on)
     out = io.StringIO()
     earlier = warm_start(session, me, Console("throughput", 5, stream=out))
     assert me.user_attrs["fingerprint"] == key and me.user_attrs["hardware"] == HARDWARE
@@ -121,13 +128,7 @@ def test_search_warm_start_false_makes_no_lookup(tmp_path, on):
 def test_a_resumed_session_and_a_report_start_from_the_sessions_it_started_from(tmp_path):
     """A resumed session (or another worker, or `mlautotune report`) uses the earlier sessions recorded
     on its study, and not one that appeared since: the same prior, the same declared optimum."""
-    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
-    args = ["--seq_len", "32"]
-    key = fingerprint(GPT_SCRIPT, {}, args)
-    study(storage, "old", key, trials=[trial(2, value=20.0)])
-    me = optuna.create_study(storage=storage, study_name="me", direction="maximize")
-    session = SimpleNamespace(script=GPT_SCRIPT, ds_config={}, script_args=args, device="cpu", world_size=2, memory_limit_bytes=2**31,
-                              storage=storage, name="me", cfg=OmegaConf.create({"search": {"warm_start": True}}))
+    storage, key, me, session = earlier_and_me(tmp_path, True)
     assert warm_start(session, me, Console("throughput", 5, stream=io.StringIO())).sessions == ["old"]
     me.add_trial(trial(4, value=30.0))  # the session ran, then stopped
     study(storage, "newer", key, trials=[trial(8, value=40.0)])  # another session of the model, since
