@@ -136,12 +136,13 @@ def warm_start(session: Session, study, console: Console) -> Optional[Earlier]:
     if not session.cfg.search.warm_start:
         study.set_user_attr("warm_start", None)
         return None
+    note = lambda text: console.say(f"mlautotune: {text}")  # noqa: E731
     if study.trials and "warm_start" in study.user_attrs:  # resumed, or another worker's: the sessions it started from, no others
-        return recorded_earlier(session, study, note=lambda text: console.say(f"mlautotune: {text}"))
-    earlier = find_earlier(session.storage, session.name, key, hardware, note=lambda text: console.say(f"mlautotune: {text}"))
-    said = warm_start_text(earlier, session.storage, hardware)
-    console.say(f"mlautotune: {said}")
-    study.set_user_attr("warm_start", {"sessions": earlier.sessions, "same_hardware": earlier.same_hardware} if earlier else None)
+        earlier = recorded_earlier(session, study, note=note)
+    else:
+        earlier = find_earlier(session.storage, session.name, key, hardware, note=note)
+        study.set_user_attr("warm_start", {"sessions": earlier.sessions, "same_hardware": earlier.same_hardware} if earlier else None)
+    note(warm_start_text(earlier, session.storage, hardware))
     return earlier
 
 

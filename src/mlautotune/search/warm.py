@@ -1,6 +1,6 @@
 """Warm start: what earlier sessions of the same model measured, as the search's prior.
 
-`Earlier` is what search/earlier.py finds in the study storage (or the MLflow store): the earlier
+`Earlier` is what search/earlier.py finds in the study storage: the earlier
 sessions' experiments, and whether they ran on the same hardware (accelerator, device memory, world
 size and memory limit per rank) as this session.
 
