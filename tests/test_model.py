@@ -37,3 +37,32 @@ def test_memory_pressure_lets_the_model_expect_a_drop_near_the_edge():
     points = [(p(m, False), value[m]) for m in (2, 4, 8, 12, 16)] + [(p(m, True), value[m] * 1.05) for m in (2, 4, 8)]
     (at12, at8), _ = fitted(points, pressure).predict([p(12, True), p(8, True)])
     assert at12 < at8
+
+
+def test_six_measurements_cannot_rule_out_a_stage_seen_once():
+    """Six measurements, as a session's first on a generated landscape: ZeRO-1 at micro-batch 1, 2 and 4
+    (rising), ZeRO-0, 2 and 3 once each at micro-batch 1, a little below ZeRO-1. ZeRO-3 at micro-batch 4 is
+    unmeasured: its 95% interval must still reach above the best measured value, or the search never runs
+    it (on that landscape it is the optimum). Fitted by the marginal likelihood alone, the stages'
+    amplitude collapses to a 1% spread and it does not; the hyperparameters' prior (MAP) keeps it open."""
+    from mlautotune.search import model as module
+
+    knobs = {"reduce_bucket_size": [5e7, 5e8, 1e9], "allgather_bucket_size": [5e7, 5e8, 1e9]}
+
+    def q(stage, mbs, rb=5e8, ag=5e8):
+        return {"stage": stage, "micro_batch": mbs, "gas": 4 // mbs, "reduce_bucket_size": rb, "allgather_bucket_size": ag}
+
+    points = [(q(0, 1), 0.635), (q(3, 1, 5e7), 0.595), (q(1, 1, 1e9), 0.695), (q(2, 1, 1e9, 1e9), 0.604),
+              (q(1, 2, 5e7), 0.747), (q(1, 4, 5e7, 5e7), 0.777)]
+    obs = [Observation(params, math.log(value), 0.02**2) for params, value in points]
+
+    def upper(prior_sd):
+        old, module.PRIOR_LOG_SD = module.PRIOR_LOG_SD, prior_sd
+        try:
+            mu, sd = ThroughputModel(Encoder(knobs), 0).fit(obs).predict([q(3, 4, 5e7)])
+        finally:
+            module.PRIOR_LOG_SD = old
+        return mu[0] + 1.96 * sd[0]
+
+    assert upper(module.PRIOR_LOG_SD) > math.log(0.777)
+    assert upper(1e6) < math.log(0.777)  # the likelihood alone: the failure the prior mends

@@ -420,11 +420,44 @@ def test_no_profile_case_the_memory_model_comes_from_the_first_stage_that_runs()
     out = t.tune()
     assert land.calls[0] == {"stage": 0, "micro_batch": 1, "gas": 1} and land.calls[1]["stage"] == 3
     assert t.memory is not None and t.memory.num_params == BIG
-    assert {c["stage"] for c in land.calls} == {0, 3}  # z1, z2: no experiment
+    assert 1 not in {c["stage"] for c in land.calls}  # z1's model states alone exceed the limit: no experiment
+    # z2 misses micro-batch 1 by 0.1%: the memory model cannot know that, so z2 is a risk the acquisition may
+    # take (here at 8, then 3 and 2, each OOM priced as the launch it costs), not a stage skipped unseen
+    assert sum(c["stage"] == 2 for c in land.calls) <= 3
     assert any("z1: skipped, its model states alone" in n for n in out.notes)
-    assert sum(m.result.status == "oom" for m in out.measured) <= 2  # z0's profiling OOM, at most one at z3's edge
+    assert sum(m.result.status == "oom" for m in out.measured) <= 5  # z0's profiling OOM, z2's tries, at most one at z3's edge
     true_best = max(land.throughput(dict(stage=3, micro_batch=m)) for m in range(1, 200) if land.peak(3, m) <= LIMIT)
     assert out.best.value >= 0.99 * true_best
+
+
+EXTRA_AT_3 = int(1.2 * GiB)  # what ZeRO-3 holds that no other stage does (prefetch and gathered weights, say)
+MID = 300_000_000
+
+
+class Stage3HoldsMore(OnlyStage3Fits):
+    """z0 runs out of memory; z3 runs, but it holds 1.2 GiB that z2 does not. The memory model, whose fixed
+    part comes from z3's run, predicts z2 to run out of memory at micro-batch 1; in truth z2 fits about 32
+    samples, and it is the fastest stage there."""
+
+    def peak(self, stage, mbs):
+        return 0.25 * GiB + {0: 16, 1: 12, 2: 10, 3: 8}[stage] * MID + (EXTRA_AT_3 if stage == 3 else 0) + 30 * 2**20 * mbs
+
+    def __call__(self, exp):
+        result = Landscape.__call__(self, exp)
+        for k in ("num_params", "trainable_num_params"):
+            if k in result.metrics:
+                result.metrics[k] = MID
+        return result
+
+
+def test_a_stage_the_memory_model_only_predicts_to_run_out_of_memory_still_gets_its_chance():
+    """A prediction of OOM is a risk, priced by P(fits), not a reason to skip the stage: the search that
+    skipped every stage predicted to OOM at the smallest size never ran z2 here, and declared z3 (26% slower)."""
+    land = Stage3HoldsMore()
+    out = tuner(make_plan(), land, tuner_type="model_based")[0].tune()
+    assert any(c["stage"] == 2 for c in land.calls), land.calls
+    true_best = max(land.throughput(dict(stage=s, micro_batch=m)) for s in (1, 2, 3) for m in range(1, 200) if land.peak(s, m) <= LIMIT)
+    assert out.best.params["stage"] == 2 and out.best.value >= 0.98 * true_best
 
 
 SMALL_FIT = 388_000_000  # z2 holds 10 bytes per parameter: it fits 4 samples under the limit, z3 about 29

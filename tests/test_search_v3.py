@@ -131,7 +131,10 @@ def tune(plan, runner, tuner="model_based", **kw):
 def test_the_stop_rule_ends_the_search_on_a_flat_landscape():
     runner = Flat()
     out = tune(plan_of(stages=(0, 1, 2, 3), mbs=MicroBatchRule("min", (1,))), runner)
-    assert len(runner.calls) < 25, f"{len(runner.calls)} experiments on a flat landscape"
+    # about 90 configurations, every one within noise of the others: the stop rule ends it well before the
+    # budget of 50 (a rule that asks whether an untried configuration's latent value, not one more measurement
+    # of it, may pass the best by 1% never does: each of dozens keeps a ~1% spread under the model's prior)
+    assert len(runner.calls) < 35, f"{len(runner.calls)} experiments on a flat landscape"
     assert any(n.startswith("stopped: the probability") for n in out.notes)
 
 

@@ -6,9 +6,10 @@ noisy observation. Inputs: the stage (one-hot), log2 of the micro-batch and of t
 accumulation, each knob scaled to 0..1 over its values, and the memory pressure (fits.py's
 predicted peak over the limit). The kernel (`kernel_of`) adds two ARD Matern 5/2 parts, the
 stage, sizes and pressure's and the knobs', plus white noise; its hyperparameters are fitted by
-marginal likelihood once five measurements exist (fixed, broad ones before), each fit starting
-from the last. A measurement's own interval, where the probe gave
-one, is added to its noise. A configuration nobody measured has the prior's mean and spread: an
+their posterior mode once five measurements exist (fixed, broad ones before): the marginal
+likelihood times a log-normal prior around the broad ones, so that a few points cannot make the
+model sure that something does not matter; each fit starts from the last. A measurement's own
+interval, where the probe gave one, is added to its noise. A configuration nobody measured has the prior's mean and spread: an
 unseen stage is uncertain, not bad.
 
 The risk of running out of memory is fits.py's.
@@ -28,6 +29,7 @@ NOISE_FLOOR = 1e-4  # variance of one measurement in log units: at least 1% (sd)
 Z95 = 1.96
 KNOB_FLOOR = 0.1  # the knobs' part keeps at least this sd (log units): a few runs cannot say that knobs do not matter
 IGNORED = 1e5  # the length scale of a column a kernel part does not look at
+PRIOR_LOG_SD = 1.0  # the hyperparameters' prior: log-normal around kernel_of's values, this wide (a factor of e)
 
 
 _CONTROLLER = []
@@ -55,12 +57,27 @@ def _num(v: Any) -> float:
 
 
 def _lbfgs(obj_func, initial_theta, bounds):
-    """The marginal likelihood's optimizer: L-BFGS-B from the starting hyperparameters, at most
-    MAX_ITERATIONS steps (started from the previous fit's, a few steps suffice)."""
+    """L-BFGS-B from the starting hyperparameters, at most MAX_ITERATIONS steps (started from the
+    previous fit's, a few steps suffice)."""
     from scipy.optimize import minimize
 
     result = minimize(obj_func, initial_theta, method="L-BFGS-B", jac=True, bounds=bounds, options={"maxiter": MAX_ITERATIONS})
     return result.x, result.fun
+
+
+def _map(prior_theta: np.ndarray, weight: np.ndarray):
+    """The hyperparameters' fit: the posterior mode (MAP), not the marginal likelihood's maximum. Each
+    weighted hyperparameter has a normal prior on its log, centred on `prior_theta` with sd
+    PRIOR_LOG_SD: a handful of measurements cannot make the model sure that stages, sizes or knobs
+    do not matter (an amplitude or a length scale driven to its bound), which then steers the search
+    away from what it has not measured."""
+    def optimizer(obj_func, initial_theta, bounds):
+        def objective(theta):
+            value, grad = obj_func(theta)
+            z = weight * (theta - prior_theta) / PRIOR_LOG_SD
+            return value + 0.5 * float(z @ z), grad + weight * z / PRIOR_LOG_SD
+        return _lbfgs(objective, initial_theta, bounds)
+    return optimizer
 
 
 class Encoder:
@@ -97,7 +114,7 @@ class Observation:
 
 
 class ThroughputModel:
-    """A GP over log(score): `predict` gives the latent mean and sd; `joint` samples the latent values."""
+    """A GP over log(score): `predict` gives the latent mean and sd."""
 
     def __init__(self, encoder: Encoder, seed: int = 0, pressure: Optional[Callable[[Dict[str, Any]], float]] = None):
         self.encoder, self.seed = encoder, seed
@@ -118,10 +135,13 @@ class ThroughputModel:
         self.prior_sd = max(float(y.std()) if len(y) > 1 else 0.0, 0.25)  # before data say otherwise, configurations differ by tens of percent
         X = self.X([o.params for o in obs])
         fixed = kernel is not None or len(obs) < MIN_FIT
+        prior = self.kernel_of(X.shape[1]) + WhiteKernel(1e-3, (NOISE_FLOOR, 0.05))
         if kernel is None:
-            kernel = start if start is not None else self.kernel_of(X.shape[1]) + WhiteKernel(1e-3, (NOISE_FLOOR, 0.05))
+            kernel = start if start is not None else prior
+        weight = np.ones(len(prior.theta))
+        weight[-1] = 0.0  # the white noise: the measurements say how noisy they are
         alpha = np.array([max(o.noise_var, 0.0) for o in obs]) + 1e-8
-        self.gp = GaussianProcessRegressor(kernel, alpha=alpha, optimizer=None if fixed else _lbfgs, random_state=self.seed)
+        self.gp = GaussianProcessRegressor(kernel, alpha=alpha, optimizer=None if fixed else _map(prior.theta, weight), random_state=self.seed)
         with warnings.catch_warnings(), one_thread():
             warnings.simplefilter("ignore")  # a hyperparameter at its bound is fine here
             self.gp.fit(X, y - self.mean)
@@ -179,19 +199,6 @@ class ThroughputModel:
         if not params:
             return np.zeros(0), np.zeros(0)
         return self.latent(self.X(params))
-
-    def joint(self, params: Sequence[Dict[str, Any]], n: int, rng: np.random.RandomState) -> np.ndarray:
-        """n joint draws of the latent log scores (n x len(params))."""
-        mu, cov = self.latent(self.X(params), return_cov=True)
-        cov = (cov + cov.T) / 2
-        jitter = 1e-9
-        while True:
-            try:
-                root = np.linalg.cholesky(cov + jitter * np.eye(len(params)))
-                break
-            except np.linalg.LinAlgError:
-                jitter *= 10
-        return mu + rng.standard_normal((n, len(params))) @ root.T
 
     def with_fantasies(self, params: Sequence[Dict[str, Any]]) -> "ThroughputModel":
         """The model with pending experiments taken as measured at their predicted mean (kriging

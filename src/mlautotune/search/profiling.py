@@ -2,8 +2,8 @@
 
 The first stage at the smallest micro-batch, and if that runs out of memory, the stage that keeps
 the least per rank; then a second size of the stage that ran, for the per-sample slope. The memory
-model comes from the first successful run of any stage. A stage whose model states alone cannot fit,
-or that is predicted to OOM at the smallest micro-batch, is skipped with no experiment. Before any run
+model comes from the first successful run of any stage. A stage whose model states alone cannot fit
+is skipped with no experiment; one predicted to OOM stays, at its P(fits). Before any run
 succeeds, the same exception from the script in two stages ends the session: no configuration mends it.
 """
 
@@ -109,15 +109,14 @@ class Profiling:
         return any(m.result.status == "oom" and m.params["stage"] == stage and m.params["micro_batch"] <= mbs for m in runs)
 
     def feasible(self, stage: int) -> bool:
-        """Whether the stage can run at all by the memory model (a stage skipped is noted, with why)."""
+        """Whether the stage can run at all: its model states alone (ZeRO's formula) fit the memory
+        limit. Anything less sure, a predicted OOM at the smallest micro-batch included, is left to
+        P(fits) (fits.py): an OOM risk is a cost in the acquisition, not a reason to skip a stage."""
         m = self.st.memory
         if m is None:
             return True
         if m.limit and m.model_states(stage) > m.limit:
             self.st.note(f"z{stage}: skipped, its model states alone ({m.model_states(stage) / 2**30:.2f} GiB/rank) exceed the memory limit")
-            return False
-        if not m.fits(stage, self.st.low):
-            self.st.note(f"z{stage}: skipped, the memory model predicts OOM at micro-batch {self.st.low}")
             return False
         return True
 

@@ -194,8 +194,7 @@ class Search(StrategyBase):
         ok_s, oom_s = self.seconds(self.memory_runs(runs), params)
         g = gain(diff, sd, fits_interval, model.noise_var)
         values = per_second(g, p_fit, ok_s, oom_s)
-        rng = np.random.RandomState((self.s.seed * 7919 + len(runs)) % 2**32)
-        p = p_beaten(model, params[inc], untried, p_fit[:n], [q for i, q in enumerate(params[n:], n) if i != inc], MARGIN, rng)
+        p = p_beaten(model, params[inc], untried, p_fit[:n], [q for i, q in enumerate(params[n:], n) if i != inc], MARGIN)
         if p < self.s.stop_probability or not np.isfinite(values).any() or values.max() <= 0:
             self.note(f"stopped: the probability that one more measurement shows a configuration better than the best by more than {MARGIN:.0%} "
                       f"is {p:.1%}, under search.stop_probability={self.s.stop_probability:g}")
