@@ -400,15 +400,16 @@ class OnlyStage3Fits(Landscape):
     states alone (4 + 4 + 8/2 bytes per parameter) exceed the 4 GiB limit, z2 cannot fit one sample,
     z3 fits about 26."""
 
+    params = BIG  # the model's parameter count, as its runs report it
+
     def peak(self, stage, mbs):
-        states = {0: 16 * BIG, 1: 12 * BIG, 2: 10 * BIG, 3: 8 * BIG}[stage]
-        return 0.25 * GiB + states + 30 * 2**20 * mbs
+        return 0.25 * GiB + {0: 16, 1: 12, 2: 10, 3: 8}[stage] * self.params + 30 * 2**20 * mbs
 
     def __call__(self, exp):
         result = super().__call__(exp)
         for k in ("num_params", "trainable_num_params"):
             if k in result.metrics:
-                result.metrics[k] = BIG
+                result.metrics[k] = self.params
         return result
 
 
@@ -439,15 +440,10 @@ class Stage3HoldsMore(OnlyStage3Fits):
     part comes from z3's run, predicts z2 to run out of memory at micro-batch 1; in truth z2 fits about 32
     samples, and it is the fastest stage there."""
 
-    def peak(self, stage, mbs):
-        return 0.25 * GiB + {0: 16, 1: 12, 2: 10, 3: 8}[stage] * MID + (EXTRA_AT_3 if stage == 3 else 0) + 30 * 2**20 * mbs
+    params = MID
 
-    def __call__(self, exp):
-        result = Landscape.__call__(self, exp)
-        for k in ("num_params", "trainable_num_params"):
-            if k in result.metrics:
-                result.metrics[k] = MID
-        return result
+    def peak(self, stage, mbs):
+        return super().peak(stage, mbs) + (EXTRA_AT_3 if stage == 3 else 0)
 
 
 def test_a_stage_the_memory_model_only_predicts_to_run_out_of_memory_still_gets_its_chance():
@@ -467,15 +463,7 @@ class Stage2FitsFew(OnlyStage3Fits):
     """z0 and z1 cannot hold the model; z2 fits micro-batch 4 at most and z3 fits 29, where it is
     faster than z2 can be anywhere."""
 
-    def peak(self, stage, mbs):
-        return 0.25 * GiB + {0: 16, 1: 12, 2: 10, 3: 8}[stage] * SMALL_FIT + 30 * 2**20 * mbs
-
-    def __call__(self, exp):
-        result = Landscape.__call__(self, exp)
-        for k in ("num_params", "trainable_num_params"):
-            if k in result.metrics:
-                result.metrics[k] = SMALL_FIT
-        return result
+    params = SMALL_FIT
 
 
 def test_every_launched_trial_has_its_plain_params_in_the_study(tmp_path):
