@@ -140,8 +140,8 @@ def test_a_resumed_session_and_a_report_start_from_the_sessions_it_started_from(
 @pytest.mark.e2e
 def test_a_second_session_with_one_argument_changed_starts_from_the_first(tmp_path):
     """Stages 0 and 1, micro-batches 1, 2, 4, 8: the first session runs more than 3 experiments (by its
-    stop rule or, on a noisy CPU where near-ties keep it open, its budget of 16). The second session changes the workload's --seed, which does not change
-    the model."""
+    stop rule or, on a noisy CPU where near-ties keep it open, its budget of 16). The second session
+    changes the workload's --seed, which does not change the model."""
     from test_session import QUICK, TINY_MODEL, cli, finish, runs, write_config
 
     config = write_config(tmp_path / "ds.json", [1, 2, 4, 8], [0, 1], tuner_type="model_based", tuner_num_trials=16)

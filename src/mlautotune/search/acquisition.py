@@ -28,12 +28,18 @@ def _h(z: np.ndarray) -> np.ndarray:
     return z * norm.cdf(z) + norm.pdf(z)
 
 
+def moved_sd(sd: np.ndarray, noise_var: float) -> np.ndarray:
+    """How far one more measurement moves each posterior mean (the sd of the move): sd^2 / sqrt(sd^2 + noise)."""
+    sd = np.asarray(sd, dtype=float)
+    return np.maximum(sd**2 / np.sqrt(sd**2 + noise_var), 1e-12)
+
+
 def gain(diff: np.ndarray, sd: np.ndarray, overlaps: np.ndarray, noise_var: float) -> np.ndarray:
     """Expected rise of the declared optimum (log units) from one more measurement of each candidate:
     `diff` is its mean minus the incumbent's (for the incumbent: the runner-up's mean minus its own),
     `sd` its latent sd, `overlaps` whether the two 95% intervals overlap."""
-    diff, sd = np.asarray(diff, dtype=float), np.asarray(sd, dtype=float)
-    s = np.maximum(sd**2 / np.sqrt(sd**2 + noise_var), 1e-12)
+    diff = np.asarray(diff, dtype=float)
+    s = moved_sd(sd, noise_var)
     return np.where(np.asarray(overlaps, dtype=bool), s * _h(diff / s), 0.0)
 
 

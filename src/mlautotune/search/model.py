@@ -9,8 +9,8 @@ stage, sizes and pressure's and the knobs', plus white noise; its hyperparameter
 their posterior mode once five measurements exist (fixed, broad ones before): the marginal
 likelihood times a log-normal prior around the broad ones, so that a few points cannot make the
 model sure that something does not matter; each fit starts from the last. A measurement's own
-interval, where the probe gave one, is added to its noise. A configuration nobody measured has the prior's mean and spread: an
-unseen stage is uncertain, not bad.
+interval, where the probe gave one, is added to its noise. A configuration nobody measured has
+the prior's mean and spread: an unseen stage is uncertain, not bad.
 
 The risk of running out of memory is fits.py's.
 """
@@ -65,12 +65,16 @@ def _lbfgs(obj_func, initial_theta, bounds):
     return result.x, result.fun
 
 
-def _map(prior_theta: np.ndarray, weight: np.ndarray):
+def _map(prior_theta: np.ndarray):
     """The hyperparameters' fit: the posterior mode (MAP), not the marginal likelihood's maximum. Each
-    weighted hyperparameter has a normal prior on its log, centred on `prior_theta` with sd
-    PRIOR_LOG_SD: a handful of measurements cannot make the model sure that stages, sizes or knobs
-    do not matter (an amplitude or a length scale driven to its bound), which then steers the search
-    away from what it has not measured."""
+    hyperparameter but the white noise (the last: the measurements say how noisy they are) has a
+    normal prior on its log, centred on `prior_theta` with sd PRIOR_LOG_SD: a handful of
+    measurements cannot make the model sure that stages, sizes or knobs do not matter (an amplitude
+    or a length scale driven to its bound), which then steers the search away from what it has not
+    measured."""
+    weight = np.ones(len(prior_theta))
+    weight[-1] = 0.0
+
     def optimizer(obj_func, initial_theta, bounds):
         def objective(theta):
             value, grad = obj_func(theta)
@@ -134,14 +138,13 @@ class ThroughputModel:
         self.mean = mean if mean is not None else (float(y.mean()) if len(y) else 0.0)
         self.prior_sd = max(float(y.std()) if len(y) > 1 else 0.0, 0.25)  # before data say otherwise, configurations differ by tens of percent
         X = self.X([o.params for o in obs])
-        fixed = kernel is not None or len(obs) < MIN_FIT
-        prior = self.kernel_of(X.shape[1]) + WhiteKernel(1e-3, (NOISE_FLOOR, 0.05))
+        optimizer = None
         if kernel is None:
+            prior = self.kernel_of(X.shape[1]) + WhiteKernel(1e-3, (NOISE_FLOOR, 0.05))
             kernel = start if start is not None else prior
-        weight = np.ones(len(prior.theta))
-        weight[-1] = 0.0  # the white noise: the measurements say how noisy they are
+            optimizer = _map(prior.theta) if len(obs) >= MIN_FIT else None
         alpha = np.array([max(o.noise_var, 0.0) for o in obs]) + 1e-8
-        self.gp = GaussianProcessRegressor(kernel, alpha=alpha, optimizer=None if fixed else _map(prior.theta, weight), random_state=self.seed)
+        self.gp = GaussianProcessRegressor(kernel, alpha=alpha, optimizer=optimizer, random_state=self.seed)
         with warnings.catch_warnings(), one_thread():
             warnings.simplefilter("ignore")  # a hyperparameter at its bound is fine here
             self.gp.fit(X, y - self.mean)
@@ -183,17 +186,13 @@ class ThroughputModel:
         """The fitted variance of one measurement (log units)."""
         return max(float(self.gp.kernel_.k2.noise_level), NOISE_FLOOR)
 
-    def latent(self, X: np.ndarray, return_cov: bool = False):
+    def latent(self, X: np.ndarray):
         """The latent (noise-free) posterior: the white-noise part is taken out of the GP's prediction."""
         with warnings.catch_warnings(), one_thread():
             warnings.simplefilter("ignore")
-            out = self.gp.predict(X, return_cov=return_cov) if return_cov else self.gp.predict(X, return_std=True)
-        mu, second = out
+            mu, sd = self.gp.predict(X, return_std=True)
         white = float(self.gp.kernel_.k2.noise_level)
-        if return_cov:
-            cov = second - white * np.eye(len(X))
-            return mu + self.mean, cov
-        return mu + self.mean, np.sqrt(np.maximum(second**2 - white, 1e-12))
+        return mu + self.mean, np.sqrt(np.maximum(sd**2 - white, 1e-12))
 
     def predict(self, params: Sequence[Dict[str, Any]]) -> Tuple[np.ndarray, np.ndarray]:
         if not params:

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Sequence
 
 import numpy as np
 
+from mlautotune.search.acquisition import moved_sd
 from mlautotune.search.model import ThroughputModel
 
 
@@ -31,6 +32,5 @@ def p_beaten(model: ThroughputModel, incumbent: Dict[str, Any], untried: List[Di
     fits = np.concatenate([np.asarray(p_fit, dtype=float).reshape(len(untried)), np.ones(len(measured))])
     (mu_inc,), _ = model.predict([incumbent])
     mu, sd = model.predict(params)
-    moved = sd**2 / np.sqrt(sd**2 + model.noise_var)  # how far one more draw moves each posterior mean
-    chance = fits * norm.sf((math.log1p(margin) - (mu - mu_inc)) / np.maximum(moved, 1e-12))
+    chance = fits * norm.sf((math.log1p(margin) - (mu - mu_inc)) / moved_sd(sd, model.noise_var))
     return float(1.0 - np.prod(1.0 - chance))
