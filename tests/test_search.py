@@ -280,6 +280,32 @@ def test_the_micro_batch_peak_below_the_edge_is_found():
     assert len(out.measured) <= 8  # profiling 2, then the sizes around the peak, not the whole ladder
 
 
+class PeaksBetween(Landscape):
+    """The peak (micro-batch 42) lies between two sizes of the ladder (38 and 45, each under 99% of it),
+    far below the memory edge."""
+
+    def throughput(self, params):
+        return 100 * math.exp(-3 * math.log(params["micro_batch"] / 42) ** 2)
+
+
+def test_a_peak_between_the_ladders_sizes_is_found():
+    land = PeaksBetween(per_sample=20 * 2**20)
+    assert max(land.throughput({"micro_batch": m}) for m in (38, 45)) < 99
+    out = tuner(make_plan(stages=[0]), land, tuner_type="model_based")[0].tune()
+    assert land.throughput(out.best.params) >= 99.5, out.best.params
+
+
+def test_the_sizes_between_are_those_between_the_neighbours_at_least_one_percent_apart():
+    from mlautotune.search.constrained import between
+
+    assert between([1, 2, 4, 8], 4) == [3, 4, 5, 6, 7]
+    assert between([64, 91, 108, 128], 108)[:9] == list(range(92, 101))  # up to 100, 1% is at most one
+    fine = between([512, 609, 724], 609)
+    assert 512 < fine[0] <= 518 and 716 <= fine[-1] < 724
+    assert all(1.01 * a <= b < 1.01 * a + 1 for a, b in zip(fine, fine[1:]))
+    assert between([5], 5) == []
+
+
 class MidPeakWithKnob(Landscape):
     """GPU-like: throughput peaks at micro-batch 12 with the edge at 24 (200 MiB/sample over 4 GiB),
     and a small reduce bucket is worth 10% in stage 1 only, at every micro-batch."""

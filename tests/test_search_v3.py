@@ -4,6 +4,7 @@ Hand-made ledgers are real Optuna studies (in memory) written through the Ledger
 """
 
 import math
+import random
 
 import numpy as np
 import optuna
@@ -73,6 +74,18 @@ def test_the_gain_of_a_measurement_is_zero_once_the_intervals_part():
     assert g[0] > 0 and g[1] == 0
 
 
+def test_a_near_tie_that_cannot_pass_the_best_by_the_margin_is_worth_almost_nothing():
+    """Two sizes 0.2% apart, each measured often (latent sd 0.3%): resolving them cannot change the
+    answer by the 1% the stop rule asks for, so their gain is a thousandth of that of a configuration the
+    model knows little about (sd 3%) at the same mean; without the margin it would be a tenth."""
+    diff, sd = np.array([-0.002, -0.002]), np.array([0.003, 0.03])
+    noise = 0.02**2
+    with_margin = gain(diff, sd, [True, True], noise, margin=0.01)
+    without = gain(diff, sd, [True, True], noise)
+    assert with_margin[0] < 1e-3 * with_margin[1]
+    assert without[0] > 1e-2 * without[1]
+
+
 def test_an_oom_risky_candidate_loses_to_an_equal_safe_one():
     values = per_second(np.array([0.05, 0.05]), p_fit=[0.5, 1.0], seconds_ok=[60.0, 60.0], seconds_oom=[50.0, 50.0])
     assert values[1] > values[0]
@@ -135,6 +148,31 @@ def test_the_stop_rule_ends_the_search_on_a_flat_landscape():
     # budget of 50 (a rule that asks whether an untried configuration's latent value, not one more measurement
     # of it, may pass the best by 1% never does: each of dozens keeps a ~1% spread under the model's prior)
     assert len(runner.calls) < 35, f"{len(runner.calls)} experiments on a flat landscape"
+    assert any(n.startswith("stopped: the probability") for n in out.notes)
+
+
+class NoisyFlat(Flat):
+    """Flat, but every measurement is a fresh draw with a 4% interval (sd 2%), as the probe reports it."""
+
+    def __init__(self):
+        super().__init__()
+        self.rng = random.Random(0)
+
+    def __call__(self, exp):
+        r = super().__call__(exp)
+        if r.status == "ok":
+            tp = 100.0 * (1 + 0.02 * self.rng.gauss(0, 1))
+            r.metrics.update(throughput=tp, latency=1000.0 / tp, interval_rel=0.04)
+        return r
+
+
+def test_the_stop_rule_counts_the_probes_own_noise_in_what_one_more_measurement_can_show():
+    """A measurement with a 4% interval moves a posterior mean less than the model's white noise alone
+    says: near-ties on a noisy flat landscape cannot be told apart, and the search ends before its
+    budget (taking the noise of one more measurement as the white noise alone, it never does)."""
+    runner = NoisyFlat()
+    out = tune(plan_of(stages=(0, 1, 2, 3), mbs=MicroBatchRule("min", (1,))), runner)
+    assert len(runner.calls) < 40, f"{len(runner.calls)} experiments on a noisy flat landscape"
     assert any(n.startswith("stopped: the probability") for n in out.notes)
 
 

@@ -11,17 +11,24 @@ fast mode) at every allowed micro-batch:
 Always at most the micro-batch cap, and only where the memory model gives the configuration a
 chance to fit (P(fits) of at least MIN_P_FIT). The memory savers (savers.py) add their
 configurations where the memory model says they let a larger micro-batch fit.
+
+The ladder's steps are 19% apart, and the best size often lies between two of them. Around each
+configuration in `around` (the search passes its incumbent), its line (stage and knobs) also gets
+the sizes between its neighbours on the ladder, FINE apart (or one): the model values them like any
+other, so a size between is run only where the model expects it to pay.
 """
 
-from typing import Any, Dict, List, Optional, Tuple
+import math
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from mlautotune.inputs.space import TuningPlan
 from mlautotune.search import savers
-from mlautotune.search.candidates import stage_knob_combos, with_knobs
+from mlautotune.search.candidates import params_key, stage_knob_combos, with_knobs
 from mlautotune.search.fits import FitModel
 
 MIN_P_FIT = 0.02
 PER_DOUBLING = 4
+FINE = 0.01  # around the incumbent, sizes this far apart (relative), or one
 
 
 def ladder(low: int, cap: int) -> List[int]:
@@ -46,11 +53,25 @@ def sizes(plan: TuningPlan) -> List[int]:
     return ladder(low, cap)
 
 
-def candidates(plan: TuningPlan, stages: List[int], fit: FitModel, notes: Optional[List[str]] = None) -> List[Tuple[Dict[str, Any], float]]:
-    """Every configuration of the space, with its P(fits); and the memory savers' where they let a
-    larger micro-batch fit (savers.py)."""
+def between(here: List[int], mbs: int) -> List[int]:
+    """The sizes strictly between mbs's neighbours in `here`, each the smallest at least FINE (and one) above the last."""
+    lower = max((m for m in here if m < mbs), default=mbs)
+    upper = min((m for m in here if m > mbs), default=mbs)
+    out, m = [], lower
+    while True:
+        m = max(m + 1, math.ceil(m * (1 + FINE)))
+        if m >= upper:
+            return out
+        out.append(m)
+
+
+def candidates(plan: TuningPlan, stages: List[int], fit: FitModel, notes: Optional[List[str]] = None,
+               around: Sequence[Dict[str, Any]] = ()) -> List[Tuple[Dict[str, Any], float]]:
+    """Every configuration of the space, with its P(fits); the sizes between the ladder's around the
+    configurations `around`; and the memory savers' where they let a larger micro-batch fit (savers.py)."""
     allowed = sizes(plan)
     free = plan.micro_batch.mode == "min"
+    refine = {_line(p): p["micro_batch"] for p in around} if free else {}
     out = []
     for stage in stages:
         for knobs in stage_knob_combos(plan, stage):
@@ -60,5 +81,12 @@ def candidates(plan: TuningPlan, stages: List[int], fit: FitModel, notes: Option
             if edge is not None and allowed[0] <= int(edge) <= plan.micro_batch_cap:
                 here.add(int(edge))
             here = sorted(here)
+            if (mbs := refine.get(_line(first))) is not None:
+                here = sorted(set(here) | {m for m in between(here, mbs) if m <= plan.micro_batch_cap})
             out += [(with_knobs(plan, stage, mbs, knobs), p) for mbs, p in zip(here, fit.p_fits(first, here)) if p >= MIN_P_FIT]
     return out + [(p, q) for p, q in savers.candidates(plan, fit, allowed, notes) if q >= MIN_P_FIT]
+
+
+def _line(params: Dict[str, Any]) -> str:
+    """A configuration's stage and knobs, without its sizes."""
+    return params_key({k: v for k, v in params.items() if k not in ("micro_batch", "gas")})

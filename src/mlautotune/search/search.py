@@ -6,7 +6,8 @@ session, or a second worker on the same study, takes up the search where it stan
 1. profiling (profiling.py): the first runs, which give the memory model its points; a stage that
    cannot fit is skipped. What follows stays inside the constrained space (constrained.py).
 2. model_based: the model (model.py) is fitted on every measurement; other workers' pending
-   experiments are taken as measured at their predicted mean. Every untried configuration and
+   experiments are taken as measured at their predicted mean. Every untried configuration (the
+   sizes between the ladder's around the incumbent included) and
    every measured one (a re-measurement) is valued by the acquisition (acquisition.py): expected
    gain of the declared optimum per expected second, OOM risk as a cost. The best is measured,
    unless the stop rule (stop.py) says that nothing is likely to beat the incumbent by more than
@@ -143,7 +144,8 @@ class Search(StrategyBase):
         stages = [s for s in self.plan.stages if self.profiling.feasible(s)]
         fit = self.fit_model(runs)
         said: List[str] = []
-        space = [(p, q) for p, q in constrained.candidates(self.plan, stages, fit, said) if params_key(p) not in taken]
+        around = [ranked[0][0].params] if self.kind == "model_based" and (ranked := self.ranked(runs)) else []  # the sizes between the ladder's
+        space = [(p, q) for p, q in constrained.candidates(self.plan, stages, fit, said, around) if params_key(p) not in taken]
         for text in said:
             self.note(text)
         untried, p_fit = [p for p, _ in space], [q for _, q in space]
@@ -192,15 +194,16 @@ class Search(StrategyBase):
             fits_interval[inc] = False  # nothing to fall back on: measuring the only one again changes no choice
         p_fit = np.array(list(p_untried) + [1.0] * len(measured))
         ok_s, oom_s = self.seconds(self.memory_runs(runs), params)
-        g = gain(diff, sd, fits_interval, model.noise_var)
+        noise = model.noise_var + _own_var(runs)  # what one more measurement's noise is: the model's, and the probe's own
+        g = gain(diff, sd, fits_interval, noise, MARGIN)  # what passes the incumbent by less than the margin is worth nothing
         values = per_second(g, p_fit, ok_s, oom_s)
-        p = p_beaten(model, params[inc], untried, p_fit[:n], [q for i, q in enumerate(params[n:], n) if i != inc], MARGIN)
+        p = p_beaten(model, params[inc], untried, p_fit[:n], [q for i, q in enumerate(params[n:], n) if i != inc], MARGIN, noise)
         if p < self.s.stop_probability or not np.isfinite(values).any() or values.max() <= 0:
             self.note(f"stopped: the probability that one more measurement shows a configuration better than the best by more than {MARGIN:.0%} "
                       f"is {p:.1%}, under search.stop_probability={self.s.stop_probability:g}")
             return None
         i = int(np.argmax(values))
-        why = f"expected gain {relative(g[i]):.2%} of the best, P(fits) {p_fit[i]:.2f}"
+        why = f"expected gain {relative(g[i]):.2%} beyond {MARGIN:.0%} of the best, P(fits) {p_fit[i]:.2f}"
         if i < n:
             return Step(untried[i], why)
         m = measured[i - n]
@@ -232,6 +235,13 @@ class Search(StrategyBase):
             history = [(m.params, m.value, m.result.status) for m in runs]
             choice = self.chooser.choose(untried, history, self.s.maximize, ledger.spent)
         return Step(choice, f"{self.kind}: a configuration of the space not yet run")
+
+
+def _own_var(runs: List[Measured]) -> float:
+    """The variance (log units) that one more measurement brings of its own, beside the model's
+    white noise: the median of this session's measurements' own (their intervals'), 0 if none."""
+    own = [_noise_var(m) for m in runs if m.value is not None and m.trial_number >= 0]
+    return statistics.median(own) if own else 0.0
 
 
 def _noise_var(m: Measured) -> float:

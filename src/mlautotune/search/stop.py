@@ -21,9 +21,9 @@ from mlautotune.search.model import ThroughputModel
 
 
 def p_beaten(model: ThroughputModel, incumbent: Dict[str, Any], untried: List[Dict[str, Any]], p_fit: Sequence[float],
-             measured: List[Dict[str, Any]], margin: float) -> float:
-    """P(one more measurement shows a configuration of `untried` (that fits) or of `measured` more than
-    `margin` better than `incumbent`)."""
+             measured: List[Dict[str, Any]], margin: float, noise_var: float) -> float:
+    """P(one more measurement, with noise of variance `noise_var` in log units, shows a configuration
+    of `untried` (that fits) or of `measured` more than `margin` better than `incumbent`)."""
     from scipy.stats import norm
 
     params = list(untried) + list(measured)
@@ -32,5 +32,5 @@ def p_beaten(model: ThroughputModel, incumbent: Dict[str, Any], untried: List[Di
     fits = np.concatenate([np.asarray(p_fit, dtype=float).reshape(len(untried)), np.ones(len(measured))])
     (mu_inc,), _ = model.predict([incumbent])
     mu, sd = model.predict(params)
-    chance = fits * norm.sf((math.log1p(margin) - (mu - mu_inc)) / moved_sd(sd, model.noise_var))
+    chance = fits * norm.sf((math.log1p(margin) - (mu - mu_inc)) / moved_sd(sd, noise_var))
     return float(1.0 - np.prod(1.0 - chance))
