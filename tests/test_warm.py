@@ -293,7 +293,8 @@ def test_the_plan_says_whether_the_session_would_warm_start_and_writes_nothing(t
 def test_a_second_session_with_one_argument_changed_starts_from_the_first(tmp_path):
     """Stages 0 and 1, micro-batches 1, 2, 4, 8: the first session runs more than 3 experiments (by its
     stop rule or, on a noisy CPU where near-ties keep it open, its budget of 16). The second session
-    changes the workload's --seed, which does not change the model."""
+    changes the workload's --seed, which does not change the model. A third, the second's settings in
+    a new results folder, finds both in the MLflow store."""
     from test_session import QUICK, TINY_MODEL, cli, finish, runs, write_config
 
     config = write_config(tmp_path / "ds.json", [1, 2, 4, 8], [0, 1], tuner_type="model_based", tuner_num_trials=16)
@@ -329,3 +330,12 @@ def test_a_second_session_with_one_argument_changed_starts_from_the_first(tmp_pa
     interval = first.data.metrics["best_interval_rel"]
     assert b["experiment"] == a["experiment"] or abs(b["throughput"] - a["throughput"]) <= interval * a["throughput"], (a, b, interval)
     assert json.loads((tmp_path / "autotuning_results" / "ds_config_optimal.json").read_text())["mlautotune"]["session"] == second_name
+
+    # a third, in a new results folder (a fresh study storage): the same two sessions, from the MLflow store
+    code, out = finish(cli(tmp_path, *common, f"script_args={' '.join(TINY_MODEL + ['--seed', '7'])}", f"autotuning.results_dir={tmp_path / 'elsewhere'}", script=None))
+    assert code == 0, out
+    assert f"warm start: from {second_name} (" in out and f"{first_name} (" in out, out
+    assert f") in the MLflow store sqlite:///{tmp_path / 'mlflow.db'}; same hardware" in out, out
+    (third,) = [r for r in runs(tmp_path, "session") if r.info.run_id not in (first.info.run_id, second.info.run_id)]
+    assert third.data.tags["warm_start"] == f"{second_name},{first_name}" and third.data.tags["hardware"] == second.data.tags["hardware"]
+    assert "found in the MLflow store" in (tmp_path / "elsewhere" / "summary.txt").read_text()
