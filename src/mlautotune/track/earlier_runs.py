@@ -56,7 +56,8 @@ def find_earlier_runs(tracking_uri: Optional[str], experiment_name: str, key: st
     """The newest earlier sessions with this fingerprint (`key`) among the parent runs of
     `experiment_name` in the tracking store, as search/earlier.py's `choose` picks them; None when
     there are none. `only`: these parent runs (by name) and no others; `exclude`: this session's
-    own parent run id."""
+    own parent run id. A parent run of this session's name counts: the same settings tuned in another
+    results folder."""
     uri = store_uri(tracking_uri)
     if not re.fullmatch(r"[0-9a-f]+", key or "") or store_missing(uri):
         return None
