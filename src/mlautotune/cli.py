@@ -20,7 +20,7 @@ training script. Every experiment is a real DeepSpeed launcher run, tracked in M
 
 commands:
   tune          tune (the default); mode=run then trains with the optimum
-  plan          print the settings and the first experiments; runs and writes nothing
+  plan          print the settings, first experiments, warm start; runs and writes nothing
   experiment    run one experiment (the plan's first) and print its metrics
   sync          fill MLflow from a results_dir after a tracking outage
   worker        join a session shared by several workers (search.storage, search.session)

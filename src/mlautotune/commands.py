@@ -1,5 +1,6 @@
 """The commands: tune (and run), plan, experiment, sync. Glue from a session to search, tracking and reports."""
 
+import json
 import os
 import shlex
 import signal
@@ -8,7 +9,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 from optuna.exceptions import StorageInternalError
@@ -23,13 +24,14 @@ from mlautotune.track.report import (MOSTLY_DISTURBED, PROVENANCE_KEY, budget_te
                                      session_metrics, write_reports)
 from mlautotune.search import METRIC_KEYS, Outcome, Tuner, first_experiments
 from mlautotune.session import SESSION_FILE, Session, hardware_params, open_session, session_hardware
-from mlautotune.search.earlier import fingerprint, find_earlier, hardware_text
+from mlautotune.search.earlier import fingerprint, find_earlier, hardware_text, sqlite_missing
 from mlautotune.search.warm import Earlier
 from mlautotune.inputs.planned import planned_length, sequence_length
 from mlautotune.inputs.space import experiment_name, plan_text
 from mlautotune.search.candidates import given_batch, given_params, knobs_of_params, params_key
 from mlautotune.track.estimate import Estimate, full_run
-from mlautotune.track.tracking import Tracker, TrackingObserver, child_payload, flatten, mlflow_status, parent_status
+from mlautotune.track.earlier_runs import HARDWARE_TAG, find_earlier_runs
+from mlautotune.track.tracking import PARENT_KEY, Tracker, TrackingObserver, child_payload, flatten, mlflow_status, parent_status, store_uri
 
 
 class SessionFailed(Exception):
@@ -129,7 +131,7 @@ def _tune(session: Session) -> None:
 
 def warm_start(session: Session, study, console: Console) -> Optional[Earlier]:
     """Record the session's fingerprint and hardware on its study, and find the earlier sessions of the
-    same model in its storage (search/earlier.py), unless search.warm_start=false. Says what it found."""
+    same model (`earlier_sessions`), unless search.warm_start=false. Says what it found."""
     key, hardware = fingerprint(session.script, session.ds_config, session.script_args), session_hardware(session)
     study.set_user_attr("fingerprint", key)
     study.set_user_attr("hardware", hardware)
@@ -137,37 +139,66 @@ def warm_start(session: Session, study, console: Console) -> Optional[Earlier]:
         study.set_user_attr("warm_start", None)
         return None
     note = lambda text: console.say(f"mlautotune: {text}")  # noqa: E731
-    if study.trials and "warm_start" in study.user_attrs:  # resumed, or another worker's: the sessions it started from, no others
+    if resumed(study):  # the sessions it started from, no others
         earlier = recorded_earlier(session, study, note=note)
     else:
-        earlier = find_earlier(session.storage, session.name, key, hardware, note=note)
-        study.set_user_attr("warm_start", {"sessions": earlier.sessions, "same_hardware": earlier.same_hardware} if earlier else None)
-    note(warm_start_text(earlier, session.storage, hardware))
+        earlier = earlier_sessions(session, key, hardware, note=note, parent_run=study.user_attrs.get(PARENT_KEY))
+        study.set_user_attr("warm_start", {"sessions": earlier.sessions, "same_hardware": earlier.same_hardware,
+                                           **({"store": "mlflow"} if earlier.store else {})} if earlier else None)
+    note(warm_start_text(earlier, session, hardware))
     return earlier
 
 
+def resumed(study) -> bool:
+    """The study has run and recorded its warm start: a resumed session's, or another worker's."""
+    return bool(study.trials) and "warm_start" in study.user_attrs
+
+
+def earlier_sessions(session: Session, key: str, hardware: Dict[str, Any], note=lambda text: None, parent_run: Optional[str] = None,
+                     only: Optional[List[str]] = None, store: str = "") -> Optional[Earlier]:
+    """The earlier sessions of the same model: the studies in the session's storage
+    (search/earlier.py); when it holds none, the parent runs in its MLflow tracking store
+    (track/earlier_runs.py; not with tracking.enabled=false), this session's own parent run
+    (`parent_run`) left out. `only` and `store` ("mlflow" or ""): the sessions a study recorded
+    (recorded_earlier), looked for where they were found."""
+    if store != "mlflow":
+        earlier = find_earlier(session.storage, session.name, key, hardware, note=note, only=only)
+        if earlier is not None or only is not None:
+            return earlier
+    if not session.cfg.tracking.enabled:
+        return None
+    return find_earlier_runs(session.cfg.tracking.tracking_uri, session.cfg.tracking.experiment_name, key, hardware, session.at.metric,
+                             note=note, only=only, exclude=parent_run)
+
+
 def recorded_earlier(session: Session, study, note=lambda text: None) -> Optional[Earlier]:
-    """The earlier sessions this session's study says it started from (None if none): a resumed
-    session, another worker and a report decide on the same prior as the session did."""
+    """The earlier sessions this session's study says it started from (None if none), where it found
+    them: a resumed session, another worker and a report decide on the same prior as the session did."""
     warm = study.user_attrs.get("warm_start")
     if not warm:
         return None
-    return find_earlier(session.storage, session.name, study.user_attrs.get("fingerprint", ""), study.user_attrs.get("hardware") or {},
-                        note=note, only=list(warm["sessions"]))
+    return earlier_sessions(session, study.user_attrs.get("fingerprint", ""), study.user_attrs.get("hardware") or {}, note=note,
+                            parent_run=study.user_attrs.get(PARENT_KEY), only=list(warm["sessions"]), store=warm.get("store", ""))
 
 
-def warm_start_text(earlier: Optional[Earlier], storage: str, hardware: Dict[str, Any]) -> str:
+def warm_start_text(earlier: Optional[Earlier], session: Session, hardware: Dict[str, Any]) -> str:
+    """The console's line: where the earlier sessions were found and what the search makes of them, or where none was."""
     if earlier is None:
-        return f"warm start: no earlier session of this model in {redact_text(storage)}"
+        mlflow = f" or the MLflow store {redact_text(store_uri(session.cfg.tracking.tracking_uri))}" if session.cfg.tracking.enabled else ""
+        return f"warm start: no earlier session of this model in {redact_text(session.storage)}{mlflow}"
     sessions = ", ".join(f"{name} ({earlier.about.get(name, '')})" for name in earlier.sessions)
+    where = f" in the MLflow store {earlier.store}" if earlier.store else ""
     how = ("same hardware: the earlier optimum and its near-ties are measured first" if earlier.same_hardware else
            f"other hardware (this session: {hardware_text(hardware)}): their measurements are the search's prior")
-    return f"warm start: from {sessions}; {how}"
+    return f"warm start: from {sessions}{where}; {how}"
 
 
 def warm_tags(study) -> Dict[str, str]:
-    """The parent run's tags: the model's fingerprint, and the sessions a warm start started from."""
+    """The parent run's tags: the model's fingerprint and the session's hardware (what a warm start
+    from the MLflow store matches, track/earlier_runs.py), and the sessions a warm start started from."""
     tags = {"fingerprint": str(study.user_attrs.get("fingerprint", ""))}
+    if study.user_attrs.get("hardware"):
+        tags[HARDWARE_TAG] = json.dumps(study.user_attrs["hardware"], sort_keys=True)
     warm = study.user_attrs.get("warm_start")
     if warm:
         tags["warm_start"] = ",".join(warm["sessions"])
@@ -374,6 +405,38 @@ def plan_command(cfg: DictConfig) -> None:
     first = [session.make_experiment(p) for p in first_experiments(session.plan)]
     print("first experiments: " + ", ".join(e.name for e in first))
     print("first command: " + shlex.join(plain_command(first[0], str(session.results_dir / first[0].name / "ds_config.json"))))
+    print(plan_warm_text(session))
+
+
+def plan_warm_text(session: Session) -> str:
+    """The plan's warm-start line: what `warm_start` would start from, looked up the same way and only
+    read (no study attribute set, no storage or MLflow store created). The hardware it matches on is
+    the session's own (session_hardware): the memory limit per rank is the setting, or the default
+    from the device's or the host's memory, known before any launch. What only a run tells is the
+    model's parameter count (an argument the fingerprint leaves out, such as --hidden_size, may change
+    it): the line says the first run confirms it."""
+    if not session.cfg.search.warm_start:
+        return "warm start: off (search.warm_start=false)"
+    key, hardware = fingerprint(session.script, session.ds_config, session.script_args), session_hardware(session)
+    note = lambda text: print(f"mlautotune: {text}")  # noqa: E731
+    own = _own_study(session)
+    if own is not None and resumed(own):
+        earlier = recorded_earlier(session, own, note=note)
+    else:
+        earlier = earlier_sessions(session, key, hardware, note=note, parent_run=own.user_attrs.get(PARENT_KEY) if own else None)
+    return warm_start_text(earlier, session, hardware) + ("; the first run's parameter count confirms it is the same model" if earlier else "")
+
+
+def _own_study(session: Session):
+    """The session's study when its storage holds it (None otherwise); nothing is created."""
+    import optuna
+
+    if sqlite_missing(session.storage):
+        return None
+    try:
+        return optuna.load_study(study_name=session.name, storage=session.storage)
+    except Exception:  # not there, or a storage that cannot be read (find_earlier says so)
+        return None
 
 
 def experiment_command(cfg: DictConfig) -> None:

@@ -118,7 +118,7 @@ class SearchConf:
     sampler: Dict[str, Any] = field(default_factory=dict)  # any Optuna sampler by Hydra _target_ (empty: tuner_type's); overrides tuner_type
     stop_probability: float = 0.05  # the search ends when P(another configuration beats the best by more than 1%) is under this (docs/search.md)
     heartbeat_seconds: int = 30  # workers: a running trial's heartbeat; after 4 missed beats another worker runs it again
-    warm_start: bool = True  # start from earlier sessions of the same model in the study storage (search/earlier.py); false: a cold start
+    warm_start: bool = True  # start from earlier sessions of the same model in the study storage, else the MLflow store (search/earlier.py); false: a cold start
 
 
 @dataclass

@@ -1,18 +1,21 @@
 """Where a warm start's earlier measurements come from: the other studies in the session's Optuna
-storage that measured the same model, matched by fingerprint (search/warm.py says how the search
-uses them).
+storage that measured the same model, matched by fingerprint, and how the earlier sessions are
+chosen among those found there or, when the storage holds none, in the MLflow tracking store
+(track/earlier_runs.py). search/warm.py says how the search uses them.
 
 The fingerprint is a hash of the training script's content, the precision and optimizer of the
 user's ds_config (or the script's --optim), and the sequence length when the script's arguments give
 it. Other script arguments (a learning rate, a step count) do not change it; the parameter count,
 known only once a run reports it, is checked by the search (Earlier.num_params).
 
-Earlier studies are only read, never written: a study that cannot be read is skipped with a note.
+Earlier sessions are only read, never written: one that cannot be read is skipped with a note.
 """
 
 import hashlib
 import json
+from dataclasses import dataclass
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
@@ -58,7 +61,7 @@ def fingerprint(script: Path, ds_config: Dict[str, Any], script_args: List[str])
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _sqlite_missing(storage: str) -> bool:
+def sqlite_missing(storage: str) -> bool:
     """A sqlite storage whose file does not exist yet (opening it would create it)."""
     if not storage.startswith("sqlite:///"):
         return False
@@ -66,62 +69,83 @@ def _sqlite_missing(storage: str) -> bool:
     return path not in ("", ":memory:") and not Path(path).exists()
 
 
+@dataclass
+class Candidate:
+    """An earlier session with the fingerprint, before its measurements are read."""
+
+    name: str
+    started: Optional[datetime]
+    hardware: Dict[str, Any]  # as session_hardware gives it ({} when not recorded)
+    optimum: Optional[str]  # its optimum's experiment name
+    num_params: Optional[int]  # the model's parameter count, when the session recorded it
+    read: Callable[[], List[Measured]]  # its measurements; raises when they cannot be read
+
+
 def find_earlier(storage: str, study_name: str, key: str, hardware: Dict[str, Any],
                  note: Callable[[str], None] = lambda text: None, only: Optional[List[str]] = None) -> Optional[Earlier]:
-    """The newest MAX_SESSIONS other studies in `storage` with this fingerprint (`key`), their
-    experiments as measurements numbered -1, -2, ...; None when there are none. Sessions on the same
-    hardware (the study's `hardware` attribute equals `hardware`) are preferred; only when there are
-    none are those on other hardware used. `only`: these studies and no others (what a resumed session
-    or a report started from)."""
-    if _sqlite_missing(storage):
+    """The newest MAX_SESSIONS other studies in `storage` with this fingerprint (`key`), as `choose`
+    picks them; None when there are none. `only`: these studies and no others (what a resumed
+    session or a report started from)."""
+    if sqlite_missing(storage):
         return None
     try:
         summaries = optuna.get_all_study_summaries(storage, include_best_trial=False)
     except Exception as e:  # an unreadable storage never fails the session
         note(f"warm start: the study storage could not be read ({type(e).__name__}); starting cold")
         return None
-    matching = [s for s in summaries if s.study_name != study_name and s.user_attrs.get("fingerprint") == key
-                and (only is None or s.study_name in only)]
-    matching.sort(key=lambda s: s.datetime_start or datetime.min, reverse=True)
-    same = [s for s in matching if s.user_attrs.get("hardware") == hardware]
-    chosen = same or matching
+
+    def read(name: str) -> List[Measured]:
+        study = optuna.load_study(study_name=name, storage=storage)
+        return measured_in(study.get_trials(deepcopy=True, states=(TrialState.COMPLETE, TrialState.FAIL)))
+
+    return choose([Candidate(s.study_name, s.datetime_start, s.user_attrs.get("hardware") or {}, (s.user_attrs.get("optimum") or {}).get("experiment"),
+                             int(s.user_attrs["num_params"]) if s.user_attrs.get("num_params") else None, partial(read, s.study_name))
+                   for s in summaries if s.study_name != study_name and s.user_attrs.get("fingerprint") == key and (only is None or s.study_name in only)],
+                  hardware, note)
+
+
+def choose(candidates: List[Candidate], hardware: Dict[str, Any], note: Callable[[str], None] = lambda text: None,
+           store: Optional[str] = None) -> Optional[Earlier]:
+    """The newest MAX_SESSIONS candidates that measured something, their experiments as measurements
+    numbered -1, -2, ...; None when there are none. Sessions on the same hardware (their `hardware`
+    equals `hardware`) are preferred; only when there are none are those on other hardware used. A
+    candidate that cannot be read is skipped with a note. `store`: where they were found, when not in
+    the study storage (Earlier.store)."""
+    matching = sorted(candidates, key=lambda c: c.started or datetime.min, reverse=True)
+    same = [c for c in matching if c.hardware == hardware]
     sessions, runs, about, num_params = [], [], {}, None
-    for summary in chosen:
+    for c in same or matching:
         if len(sessions) == MAX_SESSIONS:
             break
         try:
-            study = optuna.load_study(study_name=summary.study_name, storage=storage)
-            measured = measured_in(study.get_trials(deepcopy=True, states=(TrialState.COMPLETE, TrialState.FAIL)))
+            measured = c.read()
         except Exception as e:
-            note(f"warm start: skipped the earlier session {summary.study_name}: it could not be read ({type(e).__name__})")
+            note(f"warm start: skipped the earlier session {c.name}: it could not be read ({type(e).__name__})")
             continue
         if not measured:
             continue
         for m in measured:
             m.trial_number = -(len(runs) + 1)
             runs.append(m)
-        sessions.append(summary.study_name)
-        about[summary.study_name] = _about(summary, measured) + ("" if same else f", on {hardware_text(summary.user_attrs.get('hardware') or {})}")
-        num_params = num_params or _num_params(summary.user_attrs, measured)
+        sessions.append(c.name)
+        about[c.name] = _about(c, measured) + ("" if same else f", on {hardware_text(c.hardware)}")
+        num_params = num_params or c.num_params or _num_params(measured)
     if not sessions:
         return None
-    return Earlier(sessions, runs, same_hardware=bool(same), num_params=num_params, about=about)
+    return Earlier(sessions, runs, same_hardware=bool(same), num_params=num_params, about=about, store=store)
 
 
-def _num_params(attrs: Dict[str, Any], measured: List[Measured]) -> Optional[int]:
-    if attrs.get("num_params"):
-        return int(attrs["num_params"])
+def _num_params(measured: List[Measured]) -> Optional[int]:
     return next((int(m.result.metrics["num_params"]) for m in measured if m.result.metrics.get("num_params")), None)
 
 
-def _about(summary: Any, measured: List[Measured]) -> str:
+def _about(c: Candidate, measured: List[Measured]) -> str:
     """When it started, how many experiments it ran, its optimum."""
-    words = [f"{summary.datetime_start:%Y-%m-%d %H:%M}"] if summary.datetime_start else []
+    words = [f"{c.started:%Y-%m-%d %H:%M}"] if c.started else []
     n = experiments_in(measured)
     words.append(f"{n} experiment{'s' * (n != 1)}")
-    optimum = summary.user_attrs.get("optimum") or {}
-    if optimum.get("experiment"):
-        words.append(f"optimum {optimum['experiment']}")
+    if c.optimum:
+        words.append(f"optimum {c.optimum}")
     return ", ".join(words)
 
 

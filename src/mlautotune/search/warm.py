@@ -1,6 +1,6 @@
 """Warm start: what earlier sessions of the same model measured, as the search's prior.
 
-`Earlier` is what search/earlier.py finds in the study storage: the earlier
+`Earlier` is what search/earlier.py finds (in the study storage or the MLflow store): the earlier
 sessions' experiments, and whether they ran on the same hardware (accelerator, device memory, world
 size and memory limit per rank) as this session.
 
@@ -42,6 +42,7 @@ class Earlier:
     same_hardware: bool
     num_params: Optional[int] = None  # the model's parameter count, when an earlier run reported it
     about: Dict[str, str] = field(default_factory=dict)  # session name -> a few words (when, experiments, optimum)
+    store: Optional[str] = None  # where they were found when not in the study storage: the MLflow store's URI, redacted
 
 
 class Warm:

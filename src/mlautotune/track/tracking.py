@@ -1,7 +1,8 @@
 """MLflow tracking: one parent run per tuning session, one child run per experiment.
 
-Only this module talks to MLflow. It uses MlflowClient with explicit run ids, so nesting
-(`mlflow.parentRunId`) holds across processes and a resumed session continues its parent run.
+Only this module writes to MLflow (track/earlier_runs.py reads a warm start's earlier sessions
+back). It uses MlflowClient with explicit run ids, so nesting (`mlflow.parentRunId`) holds across
+processes and a resumed session continues its parent run.
 Children carry the Optuna trial number as a tag, which makes logging idempotent: `sync` can fill
 in whatever a session could not log while the tracking server was unreachable.
 
@@ -117,6 +118,23 @@ def _outage(e: Exception) -> bool:
     return not (400 <= int(code or 500) < 500)
 
 
+def quick_http() -> None:
+    """MLflow's own HTTP retries stay on, but short (the user's settings win): the Tracker retries
+    each call with backoff on top, and a server that is down must cost seconds, not minutes.
+    MLflow's "View run at <uri>" lines would print a password in the URI, once per run: the
+    console has our own line, with the URI redacted."""
+    for var, value in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0"), ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1"),
+                       ("MLFLOW_HTTP_REQUEST_TIMEOUT", "10"), ("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")):
+        os.environ.setdefault(var, value)
+
+
+def store_uri(tracking_uri: Optional[str]) -> str:
+    """The tracking store a session uses: tracking.tracking_uri, else MLflow's (MLFLOW_TRACKING_URI or its default)."""
+    import mlflow
+
+    return tracking_uri or mlflow.get_tracking_uri()
+
+
 def local_artifacts(tracking_uri: str) -> Optional[str]:
     """Artifacts of a local sqlite store go beside the database file (`mlartifacts/`), not into
     MLflow's default `./mlruns` of whatever folder the session was started in."""
@@ -134,17 +152,9 @@ class Tracker:
     def __init__(self, tracking_uri: Optional[str], experiment_name: str, enabled: bool = True, *,
                  attempts: int = 2, backoff_s: float = 1.0, cooldown_s: float = float("inf"),
                  say: Callable[[str], None] = lambda text: print(text, file=sys.stderr, flush=True), results_dir: Any = "<results_dir>"):
-        import mlflow
-
-        # MLflow's own HTTP retries stay on, but short (the user's settings win): the Tracker retries
-        # each call with backoff on top, and a server that is down must cost seconds, not minutes.
-        # MLflow's "View run at <uri>" lines would print a password in the URI, once per run: the
-        # console has our own line, with the URI redacted.
-        for var, value in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0"), ("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1"),
-                           ("MLFLOW_HTTP_REQUEST_TIMEOUT", "10"), ("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")):
-            os.environ.setdefault(var, value)
+        quick_http()
         self.enabled = enabled
-        self.tracking_uri = tracking_uri or mlflow.get_tracking_uri()
+        self.tracking_uri = store_uri(tracking_uri)
         self.experiment_name = experiment_name
         self.client = MlflowClient(self.tracking_uri) if enabled else None
         self.attempts, self.backoff_s, self.cooldown_s, self.say = attempts, backoff_s, cooldown_s, say
@@ -271,9 +281,7 @@ class Tracker:
     def _child_runs(self) -> Dict[int, Any]:
         """The session's experiment runs by trial number: the parent's children, and the re-measurements
         nested under their configuration's run."""
-        runs = [r for key in ("mlflow.parentRunId", SESSION_RUN_TAG) for r in self.client.search_runs(
-            [self.experiment_id], filter_string=f"tags.{key} = '{self.parent_id}'", max_results=5000)]
-        return {int(r.data.tags[TRIAL_TAG]): r for r in runs if TRIAL_TAG in r.data.tags}
+        return experiment_runs(self.client, self.experiment_id, self.parent_id)
 
     def drop_children(self, trial_numbers: Iterable[int]) -> None:
         """Delete the child runs of trials that were interrupted and will be run again."""
@@ -473,7 +481,7 @@ def child_payload(params: Dict[str, Any], result: Dict[str, Any], memory_limit_b
     measured = result.get("metrics", {}) or {}
     p = {**knobs, "train_batch_size": measured.get("train_batch_size"), "memory_limit_bytes": memory_limit_bytes}
     keys = ("throughput", "latency", "FLOPS_per_gpu", "peak_memory_bytes", "step_time_median_ms", "step_time_min_ms", "step_time_max_ms",
-            "step_time_spread", *WINDOW_KEYS, "end_to_end_throughput")
+            "step_time_spread", *WINDOW_KEYS, "end_to_end_throughput", "num_params", "trainable_num_params")
     metrics = {k: measured[k] for k in keys if as_number(measured.get(k)) is not None}
     metrics.update({k: as_number(v) for k, v in knobs.items() if as_number(v) is not None})
     if memory_limit_bytes:
@@ -488,6 +496,14 @@ def child_payload(params: Dict[str, Any], result: Dict[str, Any], memory_limit_b
     if result.get("reason"):
         tags["failure_reason"] = result["reason"][-4000:]
     return {k: v for k, v in p.items() if v is not None}, metrics, tags
+
+
+def experiment_runs(client: MlflowClient, experiment_id: str, parent_id: str) -> Dict[int, Any]:
+    """A parent run's experiment runs by trial number: its children, and the re-measurements nested
+    under their configuration's run."""
+    runs = [r for key in ("mlflow.parentRunId", SESSION_RUN_TAG) for r in client.search_runs(
+        [experiment_id], filter_string=f"tags.{key} = '{parent_id}'", max_results=5000)]
+    return {int(r.data.tags[TRIAL_TAG]): r for r in runs if TRIAL_TAG in r.data.tags}
 
 
 def parent_status(session_status: Optional[str]) -> str:
