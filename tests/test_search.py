@@ -448,11 +448,13 @@ def test_no_profile_case_the_memory_model_comes_from_the_first_stage_that_runs()
     assert land.calls[0] == {"stage": 0, "micro_batch": 1, "gas": 1} and land.calls[1]["stage"] == 3
     assert t.memory is not None and t.memory.num_params == BIG
     assert 1 not in {c["stage"] for c in land.calls}  # z1's model states alone exceed the limit: no experiment
-    # z2 misses micro-batch 1 by 0.1%: the memory model cannot know that, so z2 is a risk the acquisition may
-    # take (here at 8, then 3 and 2, each OOM priced as the launch it costs), not a stage skipped unseen
-    assert sum(c["stage"] == 2 for c in land.calls) <= 3
+    # z2 misses micro-batch 1 by 0.1%: the memory model cannot know that, so z2, never seen, is a risk the
+    # acquisition may take (here at 10, 3, 2, then 1, each OOM priced as the launch it costs, each size once),
+    # not a stage skipped unseen
+    z2 = [c["micro_batch"] for c in land.calls if c["stage"] == 2]
+    assert len(z2) <= 4 and len(set(z2)) == len(z2), z2
     assert any("z1: skipped, its model states alone" in n for n in out.notes)
-    assert sum(m.result.status == "oom" for m in out.measured) <= 5  # z0's profiling OOM, z2's tries, at most one at z3's edge
+    assert sum(m.result.status == "oom" for m in out.measured) <= 7  # z0's profiling OOM, z2's tries, at most two at z3's edge
     true_best = max(land.throughput(dict(stage=3, micro_batch=m)) for m in range(1, 200) if land.peak(3, m) <= LIMIT)
     assert out.best.value >= 0.99 * true_best
 

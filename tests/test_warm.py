@@ -321,11 +321,9 @@ def test_a_second_session_with_one_argument_changed_starts_from_the_first(tmp_pa
     earlier = optuna.load_study(study_name=first_name, storage=storage)
     now = optuna.load_study(study_name=second_name, storage=storage)
     launched = sorted((t for t in now.trials if "result" in t.user_attrs), key=lambda t: t.number)
-    # the earlier optimum first, and no more experiments than the first session ran. The bound of 3
-    # does not hold on a noisy CPU: where near-ties kept the first session open to its budget, the second
-    # re-measures them too (seen on about 1 run in 3)
+    # the earlier optimum first, and at most 3 experiments in all
     assert launched[0].user_attrs["name"] == earlier.user_attrs["optimum"]["experiment"], [t.user_attrs["name"] for t in launched]
-    assert len(launched) <= first.data.metrics["num_experiments"], [t.user_attrs["name"] for t in launched]
+    assert len(launched) <= 3, [t.user_attrs["name"] for t in launched]
     a, b = earlier.user_attrs["optimum"], now.user_attrs["optimum"]
     interval = first.data.metrics["best_interval_rel"]
     assert b["experiment"] == a["experiment"] or abs(b["throughput"] - a["throughput"]) <= interval * a["throughput"], (a, b, interval)

@@ -13,7 +13,7 @@ chance to fit (P(fits) of at least MIN_P_FIT). The memory savers (savers.py) add
 configurations where the memory model says they let a larger micro-batch fit.
 
 The ladder's steps are 19% apart, and the best size often lies between two of them. Around each
-configuration in `around` (the search passes its incumbent), its line (stage and knobs) also gets
+configuration in `around` (the search passes its incumbent and a warm start's earlier optimum), its line (stage and knobs) also gets
 the sizes between its neighbours on the ladder, FINE apart (or one): the model values them like any
 other, so a size between is run only where the model expects it to pay.
 """
@@ -71,7 +71,9 @@ def candidates(plan: TuningPlan, stages: List[int], fit: FitModel, notes: Option
     configurations `around`; and the memory savers' where they let a larger micro-batch fit (savers.py)."""
     allowed = sizes(plan)
     free = plan.micro_batch.mode == "min"
-    refine = {_line(p): p["micro_batch"] for p in around} if free else {}
+    refine: Dict[str, List[int]] = {}
+    for p in around if free else ():
+        refine.setdefault(_line(p), []).append(p["micro_batch"])
     out = []
     for stage in stages:
         for knobs in stage_knob_combos(plan, stage):
@@ -81,8 +83,8 @@ def candidates(plan: TuningPlan, stages: List[int], fit: FitModel, notes: Option
             if edge is not None and allowed[0] <= int(edge) <= plan.micro_batch_cap:
                 here.add(int(edge))
             here = sorted(here)
-            if (mbs := refine.get(_line(first))) is not None:
-                here = sorted(set(here) | {m for m in between(here, mbs) if m <= plan.micro_batch_cap})
+            fine = {m for mbs in refine.get(_line(first), []) for m in between(here, mbs) if m <= plan.micro_batch_cap}
+            here = sorted(set(here) | fine)
             out += [(with_knobs(plan, stage, mbs, knobs), p) for mbs, p in zip(here, fit.p_fits(first, here)) if p >= MIN_P_FIT]
     return out + [(p, q) for p, q in savers.candidates(plan, fit, allowed, notes) if q >= MIN_P_FIT]
 

@@ -144,7 +144,7 @@ class Search(StrategyBase):
         stages = [s for s in self.plan.stages if self.profiling.feasible(s)]
         fit = self.fit_model(runs)
         said: List[str] = []
-        around = [ranked[0][0].params] if self.kind == "model_based" and (ranked := self.ranked(runs)) else []  # the sizes between the ladder's
+        around = self.incumbents(runs) if self.kind == "model_based" else []  # the sizes between the ladder's around them
         space = [(p, q) for p, q in constrained.candidates(self.plan, stages, fit, said, around) if params_key(p) not in taken]
         for text in said:
             self.note(text)
@@ -167,6 +167,14 @@ class Search(StrategyBase):
         elif self.warm is not None and any(m.ok for m in runs):
             self.note(f"warm start from {', '.join(self.warm.earlier.sessions)}: {self.warm.describe(runs)}")
 
+    def incumbents(self, runs: List[Measured]) -> List[Dict[str, Any]]:
+        """The configurations the space refines around: this session's incumbent, and the earlier
+        optimum of a warm start (the first experiment of one on the same hardware)."""
+        out = [ranked[0][0].params] if (ranked := self.ranked(runs)) else []
+        if self.warm is not None and (best := self.warm.optimum()) is not None:
+            out.append(best.params)
+        return out
+
     def warm_first(self, untried: List[Dict[str, Any]], runs: List[Measured]) -> Optional[Step]:
         """On the same hardware, the first experiment measures the earlier optimum again: it tells how
         today's values compare with the earlier ones."""
@@ -180,6 +188,12 @@ class Search(StrategyBase):
     def acquisition_step(self, untried: List[Dict[str, Any]], p_untried: List[float], runs: List[Measured]) -> Optional[Step]:
         model = self.model(runs).with_fantasies(self.pending_params)
         measured = [m for m in runs if m.value is not None]
+        if not measured:  # a warm start on the same hardware whose first result is not in (another worker runs the earlier optimum)
+            if not untried:
+                return None
+            mu, _ = model.predict(untried)
+            i = int(np.argmax(mu + np.log(np.maximum(p_untried, 1e-9))))
+            return Step(untried[i], f"warm start: the best the earlier sessions predict not yet claimed, P(fits) {p_untried[i]:.2f}")
         params = untried + [m.params for m in measured]
         mu, sd = model.predict(params)
         n = len(untried)
