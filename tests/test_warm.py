@@ -161,7 +161,7 @@ def measured_trial(mbs, status, value=None, reason="", **attrs):
                         user_attrs={"params": params, "status": status, "result": result, **attrs})
 
 
-def tracked_session(tmp_path, key, hardware=HARDWARE):
+def tracked_session(tmp_path, key, hardware=HARDWARE, parent_params=None, tags=None):
     """A first session's study ("first": mbs 1 ok, mbs 2 ok and measured again, mbs 4 OOM, mbs 8 cut
     off) and its MLflow runs, logged by the Tracker as a session logs them: the parent with warm_tags,
     the experiment runs from the study (fill_in), each configuration's median, the closing tags."""
@@ -171,7 +171,8 @@ def tracked_session(tmp_path, key, hardware=HARDWARE):
         measured_trial(4, "oom", reason="CUDA out of memory"), trial(8, "interrupted")])
     first.set_user_attr("optimum", {"experiment": "z1_gas1_tmbspg2"})
     tracker = Tracker(uri, "mlautotune", say=lambda text: None)
-    tracker.open_parent(first, "first", {"session": "first"}, {"metric": "throughput", **warm_tags(first)}, [])
+    tracker.open_parent(first, "first", {"session": "first", **(parent_params or {})},
+                        {"metric": "throughput", **(warm_tags(first) if tags is None else tags)}, [])
     tracker.fill_in(first, 2**31)
     for m in measured_in(first.trials):
         if m.repeats:
@@ -222,6 +223,16 @@ def test_the_mlflow_store_gives_the_measurements_the_study_holds(tmp_path):
     notes = []
     assert find_earlier_runs("http://someone:pw1234secret@127.0.0.1:9", "mlautotune", key, HARDWARE, "throughput", note=notes.append) is None
     assert len(notes) == 1 and "pw1234secret" not in notes[0] and "127.0.0.1:9" in notes[0]
+
+
+def test_a_parent_run_without_the_hardware_tag_is_matched_by_its_hardware_params(tmp_path):
+    """A parent logged before the `hardware` tag existed has only its fingerprint tag and the hardware.*
+    params every parent run logs: the same facts, so the same hardware is still recognised."""
+    key = fingerprint(GPT_SCRIPT, {}, ["--seq_len", "32"])
+    params = {"hardware.accelerator": "cpu", "hardware.world_size": 2, "hardware.memory_limit_per_rank_bytes": 2**31, "hardware.host": "h"}
+    _, uri, _, _ = tracked_session(tmp_path, key, parent_params=params, tags={"fingerprint": key})
+    assert find_earlier_runs(uri, "mlautotune", key, HARDWARE, "throughput").same_hardware
+    assert not find_earlier_runs(uri, "mlautotune", key, {**HARDWARE, "world_size": 4}, "throughput").same_hardware
 
 
 def test_a_session_in_a_fresh_storage_starts_from_the_mlflow_store_and_resumes_from_it(tmp_path):

@@ -5,7 +5,8 @@ holds. search/earlier.py chooses among them as among studies.
 
 What comes back from what track/tracking.py logs:
 - a parent run: its name (the session), start time, tags `hardware` (JSON, as the study's attribute;
-  a parent without it counts as other hardware) and `best_experiment`;
+  a parent without it, logged before the tag existed, has the same facts in its `hardware.*` params)
+  and `best_experiment`;
 - an experiment run: params `stage`, `micro_batch_size`, `gradient_accumulation_steps` and the
   knobs under their own names (their text read back as booleans, numbers or text), tags `status`
   and `failure_reason`, and its metrics (the metric's value on ok runs, peak memory, interval,
@@ -84,12 +85,25 @@ def started(run: Any) -> Optional[datetime]:
 
 
 def run_hardware(run: Any) -> Dict[str, Any]:
-    """The parent run's `hardware` tag; {} when it has none or it is not JSON (then it is other hardware)."""
+    """The parent run's `hardware` tag; without one (a parent logged before the tag existed), the same
+    facts from its `hardware.*` params; {} when neither is there or readable (then it is other hardware)."""
+    if HARDWARE_TAG not in run.data.tags:
+        return _hardware_from_params(run.data.params)
     try:
-        hardware = json.loads(run.data.tags.get(HARDWARE_TAG, "{}"))
+        hardware = json.loads(run.data.tags[HARDWARE_TAG])
     except ValueError:
         return {}
     return hardware if isinstance(hardware, dict) else {}
+
+
+def _hardware_from_params(params: Dict[str, str]) -> Dict[str, Any]:
+    """session_hardware's keys from the params every parent run logs (session.hardware_params)."""
+    try:
+        memory = params.get("hardware.device_memory_bytes")
+        return {"accelerator": params["hardware.accelerator"], "device_memory_bytes": int(memory) if memory else None,
+                "world_size": int(params["hardware.world_size"]), "memory_limit_per_rank": int(params["hardware.memory_limit_per_rank_bytes"])}
+    except (KeyError, ValueError):
+        return {}
 
 
 def measured_runs(client: MlflowClient, experiment_id: str, parent_id: str, metric: str) -> List[Measured]:
