@@ -13,9 +13,10 @@ chance to fit (P(fits) of at least MIN_P_FIT). The memory savers (savers.py) add
 configurations where the memory model says they let a larger micro-batch fit.
 
 The ladder's steps are 19% apart, and the best size often lies between two of them. Around each
-configuration in `around` (the search passes its incumbent and a warm start's earlier optimum), its line (stage and knobs) also gets
-the sizes between its neighbours on the ladder, FINE apart (or one): the model values them like any
-other, so a size between is run only where the model expects it to pay.
+configuration in `around` (the search passes its incumbent and a warm start's earlier optimum),
+its line (stage and knobs) also gets the sizes between its neighbours on the ladder, FINE apart
+(or one): the model values them like any other, so a size between is run only where the model
+expects it to pay.
 """
 
 import math
@@ -23,7 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from mlautotune.inputs.space import TuningPlan
 from mlautotune.search import savers
-from mlautotune.search.candidates import params_key, stage_knob_combos, with_knobs
+from mlautotune.search.candidates import knobs_of_params, params_key, stage_knob_combos, with_knobs
 from mlautotune.search.fits import FitModel
 
 MIN_P_FIT = 0.02
@@ -91,4 +92,4 @@ def candidates(plan: TuningPlan, stages: List[int], fit: FitModel, notes: Option
 
 def _line(params: Dict[str, Any]) -> str:
     """A configuration's stage and knobs, without its sizes."""
-    return params_key({k: v for k, v in params.items() if k not in ("micro_batch", "gas")})
+    return params_key({"stage": params["stage"], **knobs_of_params(params)})

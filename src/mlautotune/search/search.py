@@ -7,8 +7,8 @@ session, or a second worker on the same study, takes up the search where it stan
    cannot fit is skipped. What follows stays inside the constrained space (constrained.py).
 2. model_based: the model (model.py) is fitted on every measurement; other workers' pending
    experiments are taken as measured at their predicted mean. Every untried configuration (the
-   sizes between the ladder's around the incumbent included) and
-   every measured one (a re-measurement) is valued by the acquisition (acquisition.py): expected
+   sizes between the ladder's around the incumbent included) and every measured one (a
+   re-measurement) is valued by the acquisition (acquisition.py): expected
    gain of the declared optimum per expected second, OOM risk as a cost. The best is measured,
    unless the stop rule (stop.py) says that nothing is likely to beat the incumbent by more than
    1%: then the search ends.
