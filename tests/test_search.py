@@ -306,6 +306,21 @@ def test_the_sizes_between_are_those_between_the_neighbours_at_least_one_percent
     assert between([5], 5) == []
 
 
+def test_a_configuration_to_refine_around_is_in_the_space_even_off_the_ladder_and_the_fine_sizes():
+    """A warm start's earlier optimum can be a size today's ladder and fine sizes both miss (it was
+    refined around another incumbent): the space around it holds it, on its own line only."""
+    from mlautotune.search.constrained import between, candidates, ladder
+
+    plan = make_plan(stages=[0, 1], mbs=MicroBatchRule("min", (1,), 1024))
+    t, _ = tuner(plan, Landscape(per_sample=2**20), tuner_type="model_based")
+    fit = t.strategy.fit_model(t.tune().measured)
+    assert 620 not in ladder(1, 1024) and 620 not in between(ladder(1, 1024), 620)
+    space = candidates(plan, [0, 1], fit, around=[{"stage": 0, "micro_batch": 620, "gas": 1}])
+    line = {p["micro_batch"] for p, _ in space if p["stage"] == 0}
+    assert 620 in line and set(between(ladder(1, 1024), 620)) <= line
+    assert 620 not in {p["micro_batch"] for p, _ in space if p["stage"] == 1}
+
+
 class MidPeakWithKnob(Landscape):
     """GPU-like: throughput peaks at micro-batch 12 with the edge at 24 (200 MiB/sample over 4 GiB),
     and a small reduce bucket is worth 10% in stage 1 only, at every micro-batch."""

@@ -74,6 +74,21 @@ def test_a_second_worker_of_a_warm_start_goes_elsewhere_while_the_first_measures
     assert step.params["stage"] == optimum["stage"], "the earlier sessions' best line"
 
 
+def test_the_first_experiment_of_a_warm_start_is_the_optimum_the_earlier_session_declared():
+    """The earlier session declared a configuration that is not its best by median measurement (as
+    one declared by posterior mean among near-ties can be). The warm start re-measures what that
+    session reported; only when none was declared does it take the best median."""
+    cold, _ = tune(Scaled())
+    earlier = earlier_of(cold)
+    earlier.runs = [replace(m, result=replace(m.result, name=f"experiment{i}")) for i, m in enumerate(earlier.runs)]
+    by_median = sorted((m for m in earlier.runs if m.ok), key=lambda m: -m.final_value)
+    runner_up = by_median[1]
+    plan = plan_of(**PLAN)
+    declared = replace(earlier, optima=[runner_up.result.name])
+    assert Search(plan, settings(), earlier=declared).next(ledger_with(plan, [])).params == runner_up.params
+    assert Search(plan, settings(), earlier=earlier).next(ledger_with(plan, [])).params == by_median[0].params
+
+
 def test_a_warm_start_on_other_hardware_profiles_first_and_still_needs_fewer_experiments():
     cold_runner = Scaled()
     cold, _ = tune(cold_runner)

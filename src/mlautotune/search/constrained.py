@@ -14,8 +14,8 @@ configurations where the memory model says they let a larger micro-batch fit.
 
 The ladder's steps are 19% apart, and the best size often lies between two of them. Around each
 configuration in `around` (the search passes its incumbent and a warm start's earlier optimum),
-its line (stage and knobs) also gets the sizes between its neighbours on the ladder, FINE apart
-(or one): the model values them like any other, so a size between is run only where the model
+its line (stage and knobs) also gets its size and the sizes between its neighbours on the ladder,
+FINE apart (or one): the model values them like any other, so a size between is run only where the model
 expects it to pay.
 """
 
@@ -84,7 +84,7 @@ def candidates(plan: TuningPlan, stages: List[int], fit: FitModel, notes: Option
             if edge is not None and allowed[0] <= int(edge) <= plan.micro_batch_cap:
                 here.add(int(edge))
             here = sorted(here)
-            fine = {m for mbs in refine.get(_line(first), []) for m in between(here, mbs) if m <= plan.micro_batch_cap}
+            fine = {m for mbs in refine.get(_line(first), []) for m in [mbs, *between(here, mbs)] if allowed[0] <= m <= plan.micro_batch_cap}
             here = sorted(set(here) | fine)
             out += [(with_knobs(plan, stage, mbs, knobs), p) for mbs, p in zip(here, fit.p_fits(first, here)) if p >= MIN_P_FIT]
     return out + [(p, q) for p, q in savers.candidates(plan, fit, allowed, notes) if q >= MIN_P_FIT]

@@ -113,7 +113,7 @@ def choose(candidates: List[Candidate], hardware: Dict[str, Any], note: Callable
     the study storage (Earlier.store)."""
     matching = sorted(candidates, key=lambda c: c.started or datetime.min, reverse=True)
     same = [c for c in matching if c.hardware == hardware]
-    sessions, runs, about, num_params = [], [], {}, None
+    sessions, runs, about, optima, num_params = [], [], {}, [], None
     for c in same or matching:
         if len(sessions) == MAX_SESSIONS:
             break
@@ -128,11 +128,12 @@ def choose(candidates: List[Candidate], hardware: Dict[str, Any], note: Callable
             m.trial_number = -(len(runs) + 1)
             runs.append(m)
         sessions.append(c.name)
+        optima += [c.optimum] if c.optimum else []
         about[c.name] = _about(c, measured) + ("" if same else f", on {hardware_text(c.hardware)}")
         num_params = num_params or c.num_params or _num_params(measured)
     if not sessions:
         return None
-    return Earlier(sessions, runs, same_hardware=bool(same), num_params=num_params, about=about, store=store)
+    return Earlier(sessions, runs, same_hardware=bool(same), num_params=num_params, about=about, store=store, optima=optima)
 
 
 def _num_params(measured: List[Measured]) -> Optional[int]:

@@ -43,6 +43,7 @@ class Earlier:
     num_params: Optional[int] = None  # the model's parameter count, when an earlier run reported it
     about: Dict[str, str] = field(default_factory=dict)  # session name -> a few words (when, experiments, optimum)
     store: Optional[str] = None  # where they were found when not in the study storage: the MLflow store's URI, redacted
+    optima: List[str] = field(default_factory=list)  # the optimum each declared (its experiment's name), newest first
 
 
 class Warm:
@@ -95,7 +96,11 @@ class Warm:
         return [Observation(m.params, math.log(self.score(v)) + c, self.noise_var(m) + tau2) for m in self.ok for v in m.values]
 
     def optimum(self) -> Optional[Measured]:
-        """The earlier sessions' best configuration by its median measurement."""
+        """The optimum the newest earlier session declared (what its report, parent run and study
+        name); by median measurement only when none of them declared one that is among their runs."""
+        for name in self.earlier.optima:
+            if (declared := next((m for m in self.ok if m.result.name == name), None)) is not None:
+                return declared
         return max(self.ok, key=lambda m: self.score(m.final_value), default=None)
 
     def describe(self, runs: List[Measured]) -> str:
