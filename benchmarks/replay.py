@@ -99,12 +99,14 @@ def replay_session(land: Dict[str, Any], seed: int, earlier: Any = None):
     return runner, dict(best.params) if best else None, list(tuner.ledger.order)
 
 
-def earlier_of(runs: List[Any], session: str, same_hardware: bool) -> Any:
+def earlier_of(runs: List[Any], session: str, same_hardware: bool, optimum: Optional[Dict[str, Any]] = None) -> Any:
     """The product's warm start from one earlier session's measured runs (replay_session's), numbered
-    -1, -2, ... as earlier runs are."""
+    -1, -2, ... as earlier runs are; `optimum`: the params that session declared."""
     from mlautotune.search.warm import Earlier
 
-    return Earlier(sessions=[session], runs=[replace(m, trial_number=-1 - i) for i, m in enumerate(runs)], same_hardware=same_hardware)
+    optima = [m.result.name for m in runs if optimum is not None and m.params == optimum][:1]
+    return Earlier(sessions=[session], runs=[replace(m, trial_number=-1 - i) for i, m in enumerate(runs)], same_hardware=same_hardware,
+                   optima=optima)
 
 
 def replay(land: Dict[str, Any], strategy: str, seed: int, workers: int = 1):

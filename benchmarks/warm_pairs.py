@@ -90,27 +90,28 @@ def change_text(land: Dict[str, Any]) -> str:
 
 
 # ---- the pairs ------------------------------------------------------------------------------
-def session(land: Dict[str, Any], seed: int, start: str, earlier: Any = None) -> Tuple[Dict[str, Any], List[Any]]:
-    """One search on `land`: the run as replay.score takes it, and its measured runs."""
+def session(land: Dict[str, Any], seed: int, start: str, earlier: Any = None) -> Tuple[Dict[str, Any], Any]:
+    """One search on `land`: the run as replay.score takes it, and the warm start a later session would
+    take from it (its measured runs and declared optimum)."""
     import replay
 
     runner, found, runs = replay.replay_session(land, seed, earlier)
     run = {"landscape": land["name"], "strategy": "model_based", "start": start, "seed": seed, "workers": 1, "log": runner.log,
            "found": runner.true_value(found)}
-    return run, runs
+    return run, lambda same_hardware: replay.earlier_of(runs, land["name"], same_hardware, found)
 
 
 def run_pairs(seed: int, a: Dict[str, Any], bs: List[Dict[str, Any]], trace: bool = False) -> Dict[str, Any]:
     """Cold on A, then per B: warm from A's runs and cold, both scored against B's best."""
     import replay
 
-    cold_a, runs = session(a, seed, "cold")
+    cold_a, warm_start = session(a, seed, "cold")
     out: Dict[str, Any] = {"seed": seed, "name": a["name"], "traits": a["traits"],
                            "a": replay.score([cold_a], generator.best(a)["value"])[0], "pairs": []}
     for b in bs:
         kind = b["traits"]["perturbed"]["kind"]
         best = generator.best(b)
-        warm, _ = session(b, seed, "warm", replay.earlier_of(runs, a["name"], same_hardware=kind == "speed"))
+        warm, _ = session(b, seed, "warm", warm_start(kind == "speed"))
         cold, _ = session(b, seed, "cold")
         records = replay.score([cold, warm], best["value"])
         for r, start in zip(records, ("cold", "warm")):
