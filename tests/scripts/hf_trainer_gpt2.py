@@ -17,10 +17,18 @@ class RandomTokens(torch.utils.data.Dataset):
         return {"input_ids": self.data[i], "labels": self.data[i]}
 
 
-def main():
+def train(model, dataset):
+    """Train with the command line's TrainingArguments, then shut the process group down as PyTorch's
+    distributed docs ask: left to interpreter exit, a gloo rank sometimes aborts in teardown
+    ("terminate called without an active exception") after training has finished."""
     (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses()
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=256, n_positions=32))
-    Trainer(model=model, args=args, train_dataset=RandomTokens()).train()
+    Trainer(model=model, args=args, train_dataset=dataset).train()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def main():
+    train(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=256, n_positions=32)), RandomTokens())
 
 
 if __name__ == "__main__":
