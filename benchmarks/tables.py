@@ -341,7 +341,7 @@ def fixed8_table(search: List[Dict[str, Any]], rules: List[Dict[str, Any]]) -> s
     return "\n".join(out)
 
 
-GENERATED_W1, GENERATED_W4 = "generator_200_w1.json", "generator_30_w4.json"  # the search's records on generated landscapes
+GENERATED_W1, GENERATED_W4 = "generator_200_w1.json", "generator_200_w4.json"  # the search's records on generated landscapes
 
 
 def generated_rows(link: str) -> List[tuple]:
