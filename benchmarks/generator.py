@@ -459,7 +459,7 @@ def evaluate(job: tuple) -> Dict[str, Any]:
         for workers in ([1] if strategy == "deepspeed_baseline" else counts):
             runner, found = replay.replay(land, strategy, seed, workers)
             runs.append({"landscape": land["name"], "strategy": strategy, "seed": seed, "workers": workers, "log": runner.log,
-                         "found": runner.true_value(found)})
+                         "found": runner.true_value(found), "declared": found})
     return {"seed": seed, "name": land["name"], "traits": land["traits"], "best": b["value"], "best_params": b["params"],
             "records": replay.score(runs, b["value"]), **({"trace": [replay.trace(r, b["value"]) for r in runs]} if trace else {})}
 

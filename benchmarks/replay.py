@@ -153,7 +153,8 @@ def trace(run: Dict[str, Any], best: float) -> str:
         params = " ".join(f"{k}={v}" for k, v in e["params"].items())
         lines.append(f"{i:3d} {e['status']:4s} seen {frac(e.get('observed'))} true {frac(e['value'])}  {params}"
                      + (f"  ({e['why']})" if e.get("why") else ""))
-    lines.append(f"declared: true {frac(run['found'])}")
+    declared = " ".join(f"{k}={v}" for k, v in (run.get("declared") or {}).items())
+    lines.append(f"declared: true {frac(run['found'])}  {declared}".rstrip())
     return "\n".join(lines)
 
 
@@ -182,7 +183,7 @@ def main():
                 for seed in range(args.seeds):
                     runner, found = replay(land, strategy, seed, workers)
                     runs.append({"landscape": land["name"], "strategy": strategy, "seed": seed, "workers": workers, "log": runner.log,
-                                 "found": runner.true_value(found)})
+                                 "found": runner.true_value(found), "declared": found})
                     if args.trace:
                         print(trace(runs[-1], grid_best(land)), flush=True)
         records += score(runs, grid_best(land))

@@ -308,7 +308,7 @@ def test_the_sizes_between_are_those_between_the_neighbours_at_least_one_percent
 
 def test_a_configuration_to_refine_around_is_in_the_space_even_off_the_ladder_and_the_fine_sizes():
     """A warm start's earlier optimum can be a size today's ladder and fine sizes both miss (it was
-    refined around another incumbent): the space around it holds it, on its own line only."""
+    refined around another incumbent): the space around it holds it, on its own stage only."""
     from mlautotune.search.constrained import between, candidates, ladder
 
     plan = make_plan(stages=[0, 1], mbs=MicroBatchRule("min", (1,), 1024))
@@ -319,6 +319,30 @@ def test_a_configuration_to_refine_around_is_in_the_space_even_off_the_ladder_an
     line = {p["micro_batch"] for p, _ in space if p["stage"] == 0}
     assert 620 in line and set(between(ladder(1, 1024), 620)) <= line
     assert 620 not in {p["micro_batch"] for p, _ in space if p["stage"] == 1}
+
+
+def test_the_sizes_around_the_incumbent_are_on_every_knob_set_of_its_stage():
+    """The incumbent's knob set is not always the best one, and the best size is often the same for
+    knob sets that differ little: the sizes between the ladder's around the incumbent's size are
+    candidates on each knob set of its stage (a search that refines the incumbent's line only never
+    runs the best knob set at the best size), and on no other stage."""
+    from mlautotune.search.candidates import knobs_of_params, stage_knob_combos
+    from mlautotune.search.constrained import between, candidates, ladder
+
+    knobs = {0: {}, 1: {"reduce_bucket_size": [500000000, 50000000], "allgather_bucket_size": [500000000, 50000000]}}
+    plan = make_plan(stages=[0, 1], mbs=MicroBatchRule("min", (1,), 1024), knobs=knobs, fast=False)
+    t, _ = tuner(plan, Landscape(per_sample=2**20), tuner_type="model_based")
+    fit = t.strategy.fit_model(t.tune().measured)
+    incumbent = {"stage": 1, "micro_batch": 300, "gas": 1, "reduce_bucket_size": 500000000, "allgather_bucket_size": 500000000}
+    fine = set(between(ladder(1, 1024), 300))
+    assert 300 not in ladder(1, 1024) and len(fine) > 5
+    space = [p for p, _ in candidates(plan, [0, 1], fit, around=[incumbent])]
+    combos = stage_knob_combos(plan, 1)
+    assert len(combos) == 4
+    for knob_set in combos:
+        sizes = {p["micro_batch"] for p in space if p["stage"] == 1 and knobs_of_params(p) == knob_set}
+        assert fine | {300} <= sizes, knob_set
+    assert not fine & {p["micro_batch"] for p in space if p["stage"] == 0}
 
 
 class MidPeakWithKnob(Landscape):

@@ -87,6 +87,16 @@ def test_a_near_tie_that_cannot_pass_the_best_by_the_margin_is_worth_almost_noth
     assert without[0] > 5e-2 * without[1]
 
 
+def test_an_untried_configuration_counts_a_rise_under_the_margin_a_re_measurement_does_not():
+    """The search climbs to the best by steps often under 1% each (a size between two measured ones,
+    one knob more): an untried configuration the model places 0.5% above the best is worth running,
+    while resolving a measured near-tie by less than the 1% the stop rule asks for is worth almost
+    nothing."""
+    diff, sd = np.array([0.005, 0.005]), np.array([0.01, 0.01])
+    g = gain(diff, sd, [True, True], noise_var=0.01**2, margin=0.01, measured=[False, True])
+    assert g[0] > 0.003 and g[1] < 0.2 * g[0]
+
+
 def test_an_oom_risky_candidate_loses_to_an_equal_safe_one():
     values = per_second(np.array([0.05, 0.05]), p_fit=[0.5, 1.0], seconds_ok=[60.0, 60.0], seconds_oom=[50.0, 50.0])
     assert values[1] > values[0]

@@ -54,10 +54,9 @@ def test_a_warm_start_on_the_same_hardware_measures_the_earlier_optimum_first_an
     warm, _ = tune(warm_runner, earlier=earlier_of(cold))
     assert warm_runner.calls[0] == dict(cold.best.params), "the earlier optimum is measured first"
     # at most a third of a cold start's experiments (the replay target; the real e2e in test_warm.py holds
-    # the second session to 3), and no more than 3 here (3 against 18): beyond the earlier optimum, the model may
-    # still look where the earlier session left it unsure (here ZeRO-3 above its largest measured size)
+    # the second session to 3): beyond the earlier optimum, the model may still look where the earlier session
+    # left it unsure (here the sizes next to it, and ZeRO-3 above its largest measured size)
     assert 3 * len(warm_runner.calls) <= len(cold_runner.calls), f"{len(warm_runner.calls)} warm experiments against {len(cold_runner.calls)} cold"
-    assert len(warm_runner.calls) <= 3, warm_runner.calls
     assert warm.best.params == cold.best.params
     assert any(n.startswith("warm start from first") for n in warm.notes)
 

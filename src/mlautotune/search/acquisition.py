@@ -7,18 +7,20 @@ knowledge-gradient style. One measurement of a configuration with latent sd `sd`
 posterior mean by a normal amount with sd s = sd^2 / sqrt(sd^2 + noise); the declared optimum
 rises by E[max(mu' - ref, 0)] = s h((mu - ref) / s), h(z) = z Phi(z) + phi(z). For any candidate
 but the incumbent, ref is the incumbent's mean; for the incumbent, it is the runner-up's (measured
-again, the incumbent may fall below it). The search counts only the rise beyond the stop rule's
-margin (ref + log 1.01): what it asks for is a configuration better by more than 1%, so telling
-apart two that differ by less is worth almost nothing. `noise` is what one more measurement brings:
-the model's white noise and the probe's own. A candidate whose 95% interval does not overlap the
-incumbent's is worth nothing: a near-tie is worth re-measuring only while they overlap.
+again, the incumbent may fall below it). A re-measurement counts only the rise beyond the stop
+rule's margin (ref + log 1.01): what the search asks for is a configuration better by more than 1%,
+so telling apart two measured ones that differ by less is worth almost nothing. An untried
+configuration counts every rise: the search climbs to the best by steps that are often smaller than
+1% each (a size between two measured ones, one knob more). `noise` is what one more measurement
+brings: the model's white noise and the probe's own. A candidate whose 95% interval does not overlap
+the incumbent's is worth nothing: a near-tie is worth re-measuring only while they overlap.
 
 An OOM is a cost: it takes its launch and gives nothing. value per second = P(fits) x gain /
 (P(fits) x seconds of a run + (1 - P(fits)) x seconds of an OOM).
 """
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -37,11 +39,15 @@ def moved_sd(sd: np.ndarray, noise_var: float) -> np.ndarray:
     return np.maximum(sd**2 / np.sqrt(sd**2 + noise_var), 1e-12)
 
 
-def gain(diff: np.ndarray, sd: np.ndarray, overlaps: np.ndarray, noise_var: float, margin: float = 0.0) -> np.ndarray:
-    """Expected rise of the declared optimum (log units) beyond `margin` (relative) from one more
-    measurement of each candidate: `diff` is its mean minus the incumbent's (for the incumbent: the
-    runner-up's mean minus its own), `sd` its latent sd, `overlaps` whether the two 95% intervals overlap."""
-    diff = np.asarray(diff, dtype=float) - math.log1p(margin)
+def gain(diff: np.ndarray, sd: np.ndarray, overlaps: np.ndarray, noise_var: float, margin: float = 0.0,
+         measured: Optional[Sequence[bool]] = None) -> np.ndarray:
+    """Expected rise of the declared optimum (log units) from one more measurement of each candidate,
+    beyond `margin` (relative) for those `measured` already (all, when not given): `diff` is its mean
+    minus the incumbent's (for the incumbent: the runner-up's mean minus its own), `sd` its latent sd,
+    `overlaps` whether the two 95% intervals overlap."""
+    diff = np.asarray(diff, dtype=float)
+    again = np.ones(len(diff), dtype=bool) if measured is None else np.asarray(measured, dtype=bool)
+    diff = diff - np.where(again, math.log1p(margin), 0.0)
     s = moved_sd(sd, noise_var)
     return np.where(np.asarray(overlaps, dtype=bool), s * _h(diff / s), 0.0)
 

@@ -14,9 +14,10 @@ configurations where the memory model says they let a larger micro-batch fit.
 
 The ladder's steps are 19% apart, and the best size often lies between two of them. Around each
 configuration in `around` (the search passes its incumbent and a warm start's earlier optimum),
-its line (stage and knobs) also gets its size and the sizes between its neighbours on the ladder,
-FINE apart (or one): the model values them like any other, so a size between is run only where the model
-expects it to pay.
+every line (knob set) of its stage also gets its size and the sizes between its neighbours on the
+ladder, FINE apart (or one): the peak's size is often the same for knob sets that differ little, and
+the incumbent's knob set is not always the best one. The model values them like any other, so a
+size between is run only where the model expects it to pay.
 """
 
 import math
@@ -24,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from mlautotune.inputs.space import TuningPlan
 from mlautotune.search import savers
-from mlautotune.search.candidates import knobs_of_params, params_key, stage_knob_combos, with_knobs
+from mlautotune.search.candidates import stage_knob_combos, with_knobs
 from mlautotune.search.fits import FitModel
 
 MIN_P_FIT = 0.02
@@ -72,9 +73,9 @@ def candidates(plan: TuningPlan, stages: List[int], fit: FitModel, notes: Option
     configurations `around`; and the memory savers' where they let a larger micro-batch fit (savers.py)."""
     allowed = sizes(plan)
     free = plan.micro_batch.mode == "min"
-    refine: Dict[str, List[int]] = {}
+    refine: Dict[int, List[int]] = {}  # stage -> the sizes to refine around, on each of its lines
     for p in around if free else ():
-        refine.setdefault(_line(p), []).append(p["micro_batch"])
+        refine.setdefault(p["stage"], []).append(p["micro_batch"])
     out = []
     for stage in stages:
         for knobs in stage_knob_combos(plan, stage):
@@ -84,12 +85,8 @@ def candidates(plan: TuningPlan, stages: List[int], fit: FitModel, notes: Option
             if edge is not None and allowed[0] <= int(edge) <= plan.micro_batch_cap:
                 here.add(int(edge))
             here = sorted(here)
-            fine = {m for mbs in refine.get(_line(first), []) for m in [mbs, *between(here, mbs)] if allowed[0] <= m <= plan.micro_batch_cap}
+            fine = {m for mbs in refine.get(stage, []) for m in [mbs, *between(here, mbs)] if allowed[0] <= m <= plan.micro_batch_cap}
             here = sorted(set(here) | fine)
             out += [(with_knobs(plan, stage, mbs, knobs), p) for mbs, p in zip(here, fit.p_fits(first, here)) if p >= MIN_P_FIT]
     return out + [(p, q) for p, q in savers.candidates(plan, fit, allowed, notes) if q >= MIN_P_FIT]
 
-
-def _line(params: Dict[str, Any]) -> str:
-    """A configuration's stage and knobs, without its sizes."""
-    return params_key({"stage": params["stage"], **knobs_of_params(params)})

@@ -5,7 +5,8 @@ the metric), fitted on every measurement of every stage, re-measurements include
 noisy observation. Inputs: the stage (one-hot), log2 of the micro-batch and of the gradient
 accumulation, each knob scaled to 0..1 over its values, and the memory pressure (fits.py's
 predicted peak over the limit). The kernel (`kernel_of`) adds two ARD Matern 5/2 parts, the
-stage, sizes and pressure's and the knobs', plus white noise; its hyperparameters are fitted by
+stage, sizes and pressure's and the knobs', a part where each knob value's own effect adds up
+(kernels.py), and white noise; its hyperparameters are fitted by
 their posterior mode once five measurements exist (fixed, broad ones before): the marginal
 likelihood times a log-normal prior around the broad ones, so that a few points cannot make the
 model sure that something does not matter; each fit starts from the last. A measurement's own
@@ -30,6 +31,7 @@ Z95 = 1.96
 KNOB_FLOOR = 0.2  # the knobs' part keeps at least this sd (log units): a few runs cannot say that knobs do not matter;
 # 0.2 rather than 0.1 reaches 99% on more generated landscapes, held-out seeds too (benchmarks/generator.md)
 IGNORED = 1e5  # the length scale of a column a kernel part does not look at
+EFFECT_SD = 0.05  # prior sd of each knob value's own effect (log units), in the part where knob effects add up
 PRIOR_LOG_SD = 1.0  # the hyperparameters' prior: log-normal around kernel_of's values, this wide (a factor of e)
 
 
@@ -157,11 +159,15 @@ class ThroughputModel:
         return np.hstack([self.encoder.rows(params), pressure])
 
     def kernel_of(self, width: int):
-        """Two parts that add up (log throughput = what the stage, sizes and memory pressure give + what the
-        knobs give, each with its own amplitude and ARD length scales), so that a knob's effect measured at
-        one micro-batch carries to the others; the stage enters both, so knobs may act differently by stage.
-        A column a part ignores has a fixed, huge length scale."""
+        """Parts that add up (log throughput = what the stage, sizes and memory pressure give + what the
+        knobs give together + what each knob value gives on its own), so that a knob's effect measured at
+        one micro-batch carries to the others. The first two have their own amplitude and ARD length
+        scales; the stage enters both, so knobs may act differently by stage. The third (kernels.py) carries
+        each knob value's effect to knob sets far from every one that ran, where the second, a distance
+        between knob sets, forgets it. A column a part ignores has a fixed, huge length scale."""
         from sklearn.gaussian_process.kernels import ConstantKernel, Matern
+
+        from mlautotune.search.kernels import KnobsAdd
 
         knobs = width - 7
         off = (IGNORED, IGNORED * (1 + 1e-6))
@@ -176,7 +182,8 @@ class ThroughputModel:
             return amplitude * main
         knob = matern([1.0] * 4 + [IGNORED] * 2 + [1.0] * knobs + [IGNORED],
                       [(0.3, 30.0)] * 4 + [off] * 2 + [(0.3, 30.0)] * knobs + [off])
-        return amplitude * main + ConstantKernel(max((self.prior_sd / 2) ** 2, KNOB_FLOOR**2), (KNOB_FLOOR**2, 1.0)) * knob
+        knob = ConstantKernel(max((self.prior_sd / 2) ** 2, KNOB_FLOOR**2), (KNOB_FLOOR**2, 1.0)) * knob
+        return amplitude * main + knob + KnobsAdd(list(range(6, 6 + knobs)), EFFECT_SD**2)
 
     @property
     def kernel(self):

@@ -209,7 +209,8 @@ class Search(StrategyBase):
         p_fit = np.array(list(p_untried) + [1.0] * len(measured))
         ok_s, oom_s = self.seconds(self.memory_runs(runs), params)
         noise = model.noise_var + _own_var(runs)  # what one more measurement's noise is: the model's, and the probe's own
-        g = gain(diff, sd, fits_interval, noise, MARGIN)  # what passes the incumbent by less than the margin is worth nothing
+        again = np.arange(len(params)) >= n
+        g = gain(diff, sd, fits_interval, noise, MARGIN, measured=again)  # a re-measurement counts only what passes the incumbent by the margin
         values = per_second(g, p_fit, ok_s, oom_s)
         p = p_beaten(model, params[inc], untried, p_fit[:n], [q for i, q in enumerate(params[n:], n) if i != inc], MARGIN, noise)
         if p < self.s.stop_probability or not np.isfinite(values).any() or values.max() <= 0:
@@ -217,7 +218,7 @@ class Search(StrategyBase):
                       f"is {p:.1%}, under search.stop_probability={self.s.stop_probability:g}")
             return None
         i = int(np.argmax(values))
-        why = f"expected gain {relative(g[i]):.2%} beyond {MARGIN:.0%} of the best, P(fits) {p_fit[i]:.2f}"
+        why = f"expected gain {relative(g[i]):.2%}{f' beyond {MARGIN:.0%}' if again[i] else ''} over the best, P(fits) {p_fit[i]:.2f}"
         if i < n:
             return Step(untried[i], why)
         m = measured[i - n]
