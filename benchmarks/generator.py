@@ -65,7 +65,7 @@ cores (seconds per local parameter) and the traffic over the host link (PCIe, 12
 gradients down and half weights up per step, and with offload_param the weights at every
 micro-step's forward and backward gathers. Checkpointing as the trait: activations of 2 s h per
 layer plus one layer's set, a forward more of compute. Each node has 512 GB-2 TB of host RAM
-(`host_memory_bytes`).
+(`host_memory_bytes`); an offloaded configuration whose ranks' host share does not fit it runs out of memory.
 
 Measurement: `noisy` multiplies by 1 + rel x z, z a normal draw of deviation 1/2 clipped to [-1, 1]
 (rel is the landscape's noise, 1-8%), drawn afresh at every measurement; the systematic part is a
@@ -345,7 +345,7 @@ def systematic(t: Dict[str, Any], params: Dict[str, Any]) -> float:
 def smooth_point(t: Dict[str, Any], params: Dict[str, Any]) -> Tuple[str, Dict[str, Any], float]:
     """(status, noise-free metrics without the systematic part, wall time in s)."""
     peak, forward = memory(t, params)
-    if peak > t["gpu_memory_gb"] * GB:
+    if peak > t["gpu_memory_gb"] * GB or not host_fits(t, params):
         return "oom", {}, t["startup_s"]
     step = step_time(t, params, peak)
     gas = gas_of(t, params["micro_batch"], params.get("gas"))
@@ -397,7 +397,17 @@ def config(t: Dict[str, Any], stage: int, mbs: int, knobs: Optional[Dict[str, An
 
 
 def fits(t: Dict[str, Any], params: Dict[str, Any]) -> bool:
-    return memory(t, params)[0] <= t["gpu_memory_gb"] * GB
+    return memory(t, params)[0] <= t["gpu_memory_gb"] * GB and host_fits(t, params)
+
+
+def host_fits(t: Dict[str, Any], params: Dict[str, Any]) -> bool:
+    """Whether what offload moves to the host fits the node's RAM: per rank, the fp32 states and the fp32
+    gradient copy (16 bytes per local parameter) with offload_optimizer, the half-precision weights (2)
+    with offload_param; a node holds min(8, GPUs) ranks."""
+    stage, n = params["stage"], t["gpus"]
+    local = t["params"] / n if stage >= 1 else t["params"]
+    per_rank = (16 * local if params.get("offload_optimizer") and stage >= 1 else 0) + (2 * local if params.get("offload_param") and stage == 3 else 0)
+    return per_rank * min(8, n) <= t.get("host_memory_gb", math.inf) * GB
 
 
 def largest(t: Dict[str, Any], stage: int, knobs: Optional[Dict[str, Any]] = None) -> int:

@@ -230,6 +230,16 @@ def test_offload_takes_the_states_off_the_gpu_and_checkpointing_the_activations_
     assert generator.step_time(t, offloaded, peak) > generator.step_time(t, z3, peak) and generator.step_time(t, ckpt, peak) > generator.step_time(t, z3, peak)
 
 
+def test_offload_whose_host_share_exceeds_the_node_s_ram_runs_out_of_memory():
+    t = dict(generator.make(0, savers=True)["model"])
+    offloaded = {**generator.config(t, 3, 1), "offload_optimizer": True, "offload_param": True}
+    need = 18 * t["params"] / t["gpus"] * min(8, t["gpus"])  # 16 bytes per local parameter of states and gradients, 2 of weights
+    assert generator.host_fits({**t, "host_memory_gb": need / generator.GB * 1.01}, offloaded)
+    small = {**t, "host_memory_gb": need / generator.GB * 0.99}
+    assert not generator.host_fits(small, offloaded) and not generator.fits(small, offloaded)
+    assert generator.smooth_point(small, offloaded)[0] == "oom"
+
+
 def test_the_search_finds_a_configuration_where_only_offload_fits():
     """The product's v3 search on the memory-saver family: every stage runs out of memory at micro-batch 1,
     and it declares an offloaded configuration that fits, near the landscape's best."""

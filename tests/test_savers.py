@@ -102,7 +102,34 @@ def test_checkpointing_is_proposed_only_above_the_largest_micro_batch_that_fits_
     edge = savers.plain_edge(m, plan)
     (stage, on, sizes), = savers.proposals(plan, m, [1, 2, 4, 8, 16, 32, 64])
     assert on == CKPT and stage == 0
-    assert min(sizes) > edge and max(sizes) == m.max_micro_batch(0, 64, savers=CKPT)
+    assert min(sizes) > edge and m.max_micro_batch(0, 64, savers=CKPT) in sizes
+
+
+def test_checkpointing_is_proposed_before_its_slope_is_measured_p_fits_carries_the_doubt():
+    """One checkpointed size ran: the per-sample slope with checkpointing is still the prior's, and the
+    sizes above the plain edge are candidates all the same, each at its P(fits) (a wide one)."""
+    plan = plan_of()
+    m = MemoryModel(N, N, ADAM, 1, 1, int(GiB + memory().model_states(0) + 200 * MiB), "cuda")
+    m.observe(0, 1, int(GiB + m.model_states(0) + 100 * MiB), False)  # one size ran: the slope is the prior's
+    m.observe(0, 1, int(GiB + m.model_states(0) + 100 * MiB), False, CKPT)
+    edge = savers.plain_edge(m, plan)
+    assert 0 < edge < 64 and not m.per_sample_measured() and not m.per_sample_bounded
+    (stage, on, sizes), = savers.proposals(plan, m, [1, 2, 4, 8, 16, 32, 64])
+    assert on == CKPT and min(sizes) > edge
+    p = FitModel(plan, m, [], 0).p_fits({"stage": 0, "micro_batch": sizes[0], "gas": 1, **CKPT}, sizes)
+    assert p[0] > 0.5 and p[-1] < p[0]
+
+
+def test_a_saver_combination_is_proposed_at_the_edge_of_a_smaller_one_where_memory_is_less_full():
+    """At stage 3 with nothing fitting without savers: offload_optimizer+offload_param keeps less on the
+    device than offload_optimizer alone, so it is proposed from that one's edge up, that size included."""
+    plan = plan_of(stages=(3,), checkpointing=False)
+    m = memory(limit=int(1 * GiB + memory().model_states(3) + 350 * MiB), stages=(3,))
+    one = {"offload_optimizer": True}
+    edge = m.max_micro_batch(3, 64, savers=one)
+    assert savers.plain_edge(m, plan) < savers.SMALL_MICRO_BATCH
+    by = {tuple(sorted(on)): sizes for stage, on, sizes in savers.proposals(plan, m, list(range(1, 65)))}
+    assert edge in by[("offload_optimizer", "offload_param")] and min(by[("offload_optimizer", "offload_param")]) == edge
 
 
 def test_checkpointing_is_not_proposed_where_the_plain_edge_reaches_the_cap():
@@ -141,6 +168,9 @@ def test_the_host_memory_check_refuses_offload_that_does_not_fit_the_host_ram():
     assert any("exceed 80% of the host's" in n for n in notes)
     big = memory(limit=limit, stages=(1,), host=2 * need, ranks=8)
     assert savers.proposals(plan, big, [1, 2, 4, 8])
+    ran = memory(limit=limit, stages=(1,), host=need // 2, ranks=8)  # the same small host, where an offloaded run took as much and ran
+    ran.observe(1, 1, int(GiB + ran.model_states(1, {"offload_optimizer": True}) + 100 * MiB), False, {"offload_optimizer": True})
+    assert savers.host_fits(ran, 1, {"offload_optimizer": True}) and savers.proposals(plan, ran, [1, 2, 4, 8])
 
 
 def _ledger(plan, measured):

@@ -79,6 +79,7 @@ class MemoryModel:
         self.checkpoint_factor = CHECKPOINT_FACTOR
         self.checkpoint_measured = False
         self.per_sample_bounded = False  # the per-sample growth is an OOM's lower bound (_bound_per_sample)
+        self.host_held = 0.0  # the most host memory per rank (host_bytes) that an offloaded run took and ran
 
     def model_states(self, stage: int, savers: Optional[Dict[str, bool]] = None) -> float:
         """Bytes per rank for parameters, gradients, fp32 master copy and optimizer states (on the
@@ -131,6 +132,8 @@ class MemoryModel:
 
     def observe(self, stage: int, mbs: int, peak_bytes: Optional[int], oom: bool, savers: Optional[Dict[str, bool]] = None) -> None:
         """One measured peak (an OOM's peak may be unknown: a real accelerator OOM reports none)."""
+        if not oom and savers:
+            self.host_held = max(self.host_held, self.host_bytes(stage, savers))
         if oom:
             peak_bytes = max(peak_bytes or 0, (self.limit or 0) + 1)
         elif not peak_bytes:

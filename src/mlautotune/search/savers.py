@@ -2,16 +2,22 @@
 
 A saver costs time (checkpointing recomputes the forward, ~1/3 more compute; offload moves the
 optimizer step, and at stage 3 the weights, over the host link), so it is proposed only where the
-memory model (memory.py) says it lets a larger micro-batch fit than the configurations without it:
-- activation checkpointing (plan.checkpointing: the script has a flag for it), at the sizes above
-  the largest that any stage fits without it, up to its own predicted edge;
+memory model (memory.py) says it lets at least as large a micro-batch fit as the configurations
+without it:
+- activation checkpointing (plan.checkpointing: the script has a flag for it), at the sizes from
+  the largest that any stage fits without it up;
 - ZeRO-Offload (plan.offload_device): offload_optimizer at stages 1-3, with offload_param at stage 3,
   only when no stage fits, or the best fits only micro-batches under SMALL_MICRO_BATCH, and only
   where the host has the RAM for it: the offloaded states of every rank of a node (host_bytes,
-  16 bytes per parameter of the rank's partition with Adam) within HOST_FRACTION of the host's.
+  16 bytes per parameter of the rank's partition with Adam) within HOST_FRACTION of the host's, or
+  within what an offloaded run already held there.
   On the CPU accelerator it is never proposed: host memory is device memory there (DeepSpeed's CPU
   accelerator pins nothing: pin_memory is a no-op), so moving states to the host frees nothing.
-A combination of savers is proposed only above the edges of each smaller combination. Their
+A combination of savers is proposed above the largest size that fits without savers, from the edges
+of each smaller combination up (at the same size it may be the faster, with memory less full), at
+every size where fits.py gives it a chance to fit:
+P(fits) carries the memory model's uncertainty (a per-sample slope not yet measured with
+checkpointing is a wide one), and an OOM is a cost in the acquisition. Their
 params are plain switches (`activation_checkpointing: true`, absent when off), recorded in Optuna
 and MLflow like the knobs and encoded by the throughput model like them, so the model learns
 their cost from what they measure. When every stage ran out of memory at the smallest micro-batch
@@ -47,9 +53,11 @@ def combos(plan: TuningPlan, stage: int, memory: Optional[MemoryModel]) -> List[
 
 
 def host_fits(memory: MemoryModel, stage: int, savers: Dict[str, bool]) -> bool:
-    """Whether the offloaded states of every rank on a node fit in HOST_FRACTION of its RAM."""
-    need = memory.host_bytes(stage, savers) * max(1, memory.local_ranks)
-    return not need or memory.host_memory is None or need <= HOST_FRACTION * memory.host_memory
+    """Whether the offloaded states of every rank on a node fit in HOST_FRACTION of its RAM, or in what
+    an offloaded run already took on the host and ran with (a fact beats the margin)."""
+    per_rank = memory.host_bytes(stage, savers)
+    need = per_rank * max(1, memory.local_ranks)
+    return not need or memory.host_memory is None or need <= HOST_FRACTION * memory.host_memory or per_rank <= memory.host_held
 
 
 def plain_edge(memory: MemoryModel, plan: TuningPlan) -> int:
@@ -59,7 +67,8 @@ def plain_edge(memory: MemoryModel, plan: TuningPlan) -> int:
 
 def proposals(plan: TuningPlan, memory: Optional[MemoryModel], allowed: Sequence[int], notes: Optional[List[str]] = None) -> List[Tuple[int, Dict[str, bool], List[int]]]:
     """(stage, savers, sizes) for every saver combination worth proposing: the allowed sizes (and the
-    combination's own edge) above the edges of its smaller combinations, up to its own edge."""
+    combination's own edge) above the plain edge and from the edges of its smaller combinations up;
+    P(fits) (fits.py) says how far up (candidates)."""
     notes = notes if notes is not None else []
     if memory is None or memory.limit is None or memory.fixed is None or not memory.per_sample:
         return []
@@ -75,17 +84,15 @@ def proposals(plan: TuningPlan, memory: Optional[MemoryModel], allowed: Sequence
             edge = memory.max_micro_batch(stage, plan.micro_batch_cap, savers=savers)
             edges[key] = max(edge, below)
             offload = any(savers.get(k) for k in ("offload_optimizer", "offload_param"))
-            if CHECKPOINTING_KEY in savers and not (memory.per_sample_measured() or memory.per_sample_bounded):
-                continue  # its edge rests on the per-sample slope: from the prior it is too rough to go beyond the plain edge
             if offload and base >= SMALL_MICRO_BATCH:
                 continue  # a stage fits micro-batches that are not small without it
             if offload and not host_fits(memory, stage, savers):
                 notes.append(f"z{stage} with {'+'.join(key)}: not proposed, its {memory.host_bytes(stage, savers) * memory.local_ranks / 2**30:.1f} GiB of "
                              f"offloaded states per node exceed {HOST_FRACTION:.0%} of the host's {memory.host_memory / 2**30:.1f} GiB of RAM")
                 continue
-            if edge <= below:
-                continue
-            sizes = sorted({m for m in allowed if below < m <= edge} | ({edge} if plan.micro_batch.mode == "min" and not plan.max_train_batch_size else set()))
+            if edge <= base or edge < below:
+                continue  # it lets no larger size fit than no saver does, or fewer than a smaller combination
+            sizes = sorted({m for m in allowed if m > base and m >= below} | ({edge} if plan.micro_batch.mode == "min" and not plan.max_train_batch_size else set()))
             if sizes:
                 out.append((stage, savers, sizes))
     return out
