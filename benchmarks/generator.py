@@ -642,8 +642,9 @@ def worst(by) -> List[str]:
     top = sorted(((r["regret"], r["seed"]) for r in mb.values()), reverse=True)[:5]
     if not top:
         return []
+    family = " --savers" if any(r["landscape"].startswith("gen_savers_") for r in mb.values()) else ""
     return ["- model_based's worst landscapes (regret, seed): " + ", ".join(f"{x:.1%} (seed {s})" for x, s in top)
-            + "; replay one alone with `python benchmarks/generator.py score --only SEED --trace`"]
+            + f"; replay one alone with `python benchmarks/generator.py score{family} --only SEED --trace`"]
 
 
 def score(args: argparse.Namespace) -> None:
