@@ -66,3 +66,18 @@ def test_six_measurements_cannot_rule_out_a_stage_seen_once():
 
     assert upper(module.PRIOR_LOG_SD) > math.log(0.777)
     assert upper(1e6) < math.log(0.777)  # the likelihood alone: the failure the prior mends
+
+
+def test_an_earlier_session_s_many_measurements_leave_today_s_value_as_uncertain_as_its_discrepancy():
+    """A warm start from another GPU count: the earlier session measured micro-batch 8 twenty times, today
+    nothing yet. Its landscape is today's plus a smooth discrepancy (prior sd 0.25), which does not average
+    away over repeats, so today's value there keeps about that uncertainty; taken as independent blurred
+    observations, twenty of them would make it sure to 0.25 / sqrt(20) = 0.06."""
+    today = [(p(m, False), v) for m, v in {2: 10.0, 4: 14.0}.items()]
+    obs = [Observation(q, math.log(v), 0.01**2) for q, v in today]
+    obs += [Observation(p(8, True), math.log(20.0), 0.01**2, earlier=True) for _ in range(20)]
+    model = ThroughputModel(Encoder(KNOBS), 0).fit(obs, discrepancy=0.25**2)
+    (mu,), (sd,) = model.predict([p(8, True)])
+    assert sd > 0.15 and abs(mu - math.log(20.0)) < 0.5
+    cold = ThroughputModel(Encoder(KNOBS), 0).fit(obs[:2])
+    assert cold.X([p(8, True)]).shape == model.X([p(8, True)]).shape[:1] + (model.X([p(8, True)]).shape[1] - 1,)

@@ -1,4 +1,7 @@
-"""The throughput model's kernel part where knob effects add up (model.py): each value of each knob
+"""The throughput model's own kernel parts (model.py). `Both` flags the rows of an earlier session's
+measurements, so that the discrepancy part exists between those rows only.
+
+`KnobsAdd`, the part where knob effects add up: each value of each knob
 has its own effect, the same at every stage, size and other knob. As a kernel,
 k(x, x') = a x (the number of knobs x and x' set alike), one amplitude `a` for all. A knob a stage
 lacks reads as its lowest value; the stage's own level, in the model's main part, takes that up.
@@ -48,3 +51,26 @@ class KnobsAdd(Kernel):
 
     def __repr__(self):
         return f"KnobsAdd(amplitude={self.amplitude:.3g}, columns={len(self.columns)})"
+
+
+class Both(Kernel):
+    """k(x, x') = x[column] x x'[column]: with a 0/1 column, 1 where both rows are flagged (the earlier
+    sessions' observations, model.py), so the part it multiplies exists between those rows only."""
+
+    def __init__(self, column: int):
+        self.column = column
+
+    def __call__(self, X, Y=None, eval_gradient=False):
+        a = np.asarray(X, dtype=float)[:, self.column]
+        b = a if Y is None else np.asarray(Y, dtype=float)[:, self.column]
+        K = np.outer(a, b)
+        return (K, np.empty((len(a), len(a), 0))) if eval_gradient else K
+
+    def diag(self, X):
+        return np.asarray(X, dtype=float)[:, self.column] ** 2
+
+    def is_stationary(self):
+        return False
+
+    def __repr__(self):
+        return f"Both(column={self.column})"

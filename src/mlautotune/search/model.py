@@ -6,8 +6,10 @@ noisy observation. Inputs: the stage (one-hot), log2 of the micro-batch and of t
 accumulation, each knob scaled to 0..1 over its values, and the memory pressure (fits.py's
 predicted peak over the limit). The kernel (`kernel_of`) adds two ARD Matern 5/2 parts, the
 stage, sizes and pressure's and the knobs', a part where each knob value's own effect adds up
-(kernels.py), and white noise; its hyperparameters are fitted by
-their posterior mode once five measurements exist (fixed, broad ones before): the marginal
+(kernels.py), and white noise. With an earlier session's measurements (a warm start, warm.py), a
+last input column flags them, and one more part, the discrepancy, exists between them only. The
+hyperparameters are fitted by their posterior mode once five measurements exist (fixed, broad
+ones before): the marginal
 likelihood times a log-normal prior around the broad ones, so that a few points cannot make the
 model sure that something does not matter; each fit starts from the last. A measurement's own
 interval, where the probe gave one, is added to its noise. A configuration nobody measured has
@@ -118,6 +120,7 @@ class Observation:
     params: Dict[str, Any]
     log_score: float
     noise_var: float = 0.0  # the measurement's own interval, as a variance in log units (0: unknown)
+    earlier: bool = False  # an earlier session's measurement (warm start): today's value plus the discrepancy part
 
 
 class ThroughputModel:
@@ -129,10 +132,14 @@ class ThroughputModel:
         self.gp = None
         self.mean = 0.0
         self.prior_sd = 0.5
+        self.discrepancy = 0.0  # the prior variance of the earlier sessions' discrepancy (0: no earlier observations)
 
-    def fit(self, obs: List[Observation], kernel=None, mean: Optional[float] = None, start=None) -> "ThroughputModel":
+    def fit(self, obs: List[Observation], kernel=None, mean: Optional[float] = None, start=None,
+            discrepancy: Optional[float] = None) -> "ThroughputModel":
         """Fit on the observations; with `kernel` (and `mean`) given, those are kept, not fitted; with
-        `start` (an earlier fit's kernel), its hyperparameters are where the fit starts."""
+        `start` (an earlier fit's kernel), its hyperparameters are where the fit starts. `discrepancy`:
+        the prior variance of how an earlier session's landscape differs from today's, a smooth part
+        of its own (kernel_of), where observations are `earlier`."""
         from sklearn.gaussian_process import GaussianProcessRegressor
         from sklearn.gaussian_process.kernels import WhiteKernel
 
@@ -140,11 +147,13 @@ class ThroughputModel:
         y = np.array([o.log_score for o in obs], dtype=float)
         self.mean = mean if mean is not None else (float(y.mean()) if len(y) else 0.0)
         self.prior_sd = max(float(y.std()) if len(y) > 1 else 0.0, 0.25)  # before data say otherwise, configurations differ by tens of percent
-        X = self.X([o.params for o in obs])
+        if discrepancy is not None:
+            self.discrepancy = discrepancy if any(o.earlier for o in obs) else 0.0
+        X = self.X([o.params for o in obs], [o.earlier for o in obs])
         optimizer = None
         if kernel is None:
             prior = self.kernel_of(X.shape[1]) + WhiteKernel(1e-3, (NOISE_FLOOR, 0.05))
-            kernel = start if start is not None else prior
+            kernel = start if start is not None and len(start.theta) == len(prior.theta) else prior
             optimizer = _map(prior.theta) if len(obs) >= MIN_FIT else None
         alpha = np.array([max(o.noise_var, 0.0) for o in obs]) + 1e-8
         self.gp = GaussianProcessRegressor(kernel, alpha=alpha, optimizer=optimizer, random_state=self.seed)
@@ -153,10 +162,15 @@ class ThroughputModel:
             self.gp.fit(X, y - self.mean)
         return self
 
-    def X(self, params: Sequence[Dict[str, Any]]) -> np.ndarray:
-        """The inputs: the encoder's columns, then the memory pressure (the predicted peak over the limit)."""
+    def X(self, params: Sequence[Dict[str, Any]], earlier: Optional[Sequence[bool]] = None) -> np.ndarray:
+        """The inputs: the encoder's columns, then the memory pressure (the predicted peak over the limit),
+        and, with earlier observations, whether a row is one (today's configurations are not)."""
         pressure = np.array([[self.pressure(p)] for p in params], dtype=float).reshape(len(params), 1)
-        return np.hstack([self.encoder.rows(params), pressure])
+        X = np.hstack([self.encoder.rows(params), pressure])
+        if not self.discrepancy:
+            return X
+        flag = np.array(earlier if earlier is not None else [False] * len(params), dtype=float).reshape(len(params), 1)
+        return np.hstack([X, flag])
 
     def kernel_of(self, width: int):
         """Parts that add up (log throughput = what the stage, sizes and memory pressure give + what the
@@ -167,23 +181,27 @@ class ThroughputModel:
         between knob sets, forgets it. A column a part ignores has a fixed, huge length scale."""
         from sklearn.gaussian_process.kernels import ConstantKernel, Matern
 
-        from mlautotune.search.kernels import KnobsAdd
+        from mlautotune.search.kernels import Both, KnobsAdd
 
-        knobs = width - 7
+        flag = 1 if self.discrepancy else 0  # the earlier-observation column, last
+        knobs = width - 7 - flag
         off = (IGNORED, IGNORED * (1 + 1e-6))
 
         def matern(lengths, bounds):
-            return Matern(lengths, bounds, nu=2.5)
+            return Matern(lengths + [IGNORED] * flag, bounds + [off] * flag, nu=2.5)
 
-        main = matern([1.0] * 4 + [2.0, 2.0] + [IGNORED] * knobs + [0.3],
-                      [(0.3, 30.0)] * 4 + [(0.3, 30.0)] * 2 + [off] * knobs + [(0.05, 30.0)])
+        sizes = ([1.0] * 4 + [2.0, 2.0] + [IGNORED] * knobs + [0.3], [(0.3, 30.0)] * 4 + [(0.3, 30.0)] * 2 + [off] * knobs + [(0.05, 30.0)])
+        main = matern(*sizes)
         amplitude = ConstantKernel(self.prior_sd**2, (1e-4, 4.0))
-        if not knobs:
-            return amplitude * main
-        knob = matern([1.0] * 4 + [IGNORED] * 2 + [1.0] * knobs + [IGNORED],
-                      [(0.3, 30.0)] * 4 + [off] * 2 + [(0.3, 30.0)] * knobs + [off])
-        knob = ConstantKernel(max((self.prior_sd / 2) ** 2, KNOB_FLOOR**2), (KNOB_FLOOR**2, 1.0)) * knob
-        return amplitude * main + knob + KnobsAdd(list(range(6, 6 + knobs)), EFFECT_SD**2)
+        kernel = amplitude * main
+        if knobs:
+            knob = matern([1.0] * 4 + [IGNORED] * 2 + [1.0] * knobs + [IGNORED],
+                          [(0.3, 30.0)] * 4 + [off] * 2 + [(0.3, 30.0)] * knobs + [off])
+            knob = ConstantKernel(max((self.prior_sd / 2) ** 2, KNOB_FLOOR**2), (KNOB_FLOOR**2, 1.0)) * knob
+            kernel = kernel + knob + KnobsAdd(list(range(6, 6 + knobs)), EFFECT_SD**2)
+        if flag:  # earlier sessions: their landscape is today's plus a smooth discrepancy over stages, sizes and memory pressure
+            kernel = kernel + ConstantKernel(self.discrepancy, (1e-5, 1.0)) * matern(*sizes) * Both(width - 1)
+        return kernel
 
     @property
     def kernel(self):
@@ -214,4 +232,5 @@ class ThroughputModel:
             return self
         mu, _ = self.predict(params)
         extra = [Observation(dict(p), float(m)) for p, m in zip(params, mu)]
-        return ThroughputModel(self.encoder, self.seed, self.pressure).fit(self.obs + extra, kernel=self.gp.kernel_, mean=self.mean)
+        return ThroughputModel(self.encoder, self.seed, self.pressure).fit(self.obs + extra, kernel=self.gp.kernel_, mean=self.mean,
+                                                                           discrepancy=self.discrepancy)

@@ -99,7 +99,8 @@ class Search(StrategyBase):
         key = tuple((params_key(o.params), o.log_score, fill(o.params)) for o in obs)
         if self._fitted[0] != key:
             start = self._fitted[1].kernel if self._fitted[1] is not None and len(obs) > MIN_FIT else None
-            self._fitted = (key, ThroughputModel(self.encoder, self.s.seed, fill).fit(obs, start=start) if obs else None)
+            discrepancy = self.warm.tau0**2 if self.warm is not None else 0.0  # how far an earlier session's landscape may be from today's
+            self._fitted = (key, ThroughputModel(self.encoder, self.s.seed, fill).fit(obs, start=start, discrepancy=discrepancy) if obs else None)
         return self._fitted[1]
 
     def ranked(self, runs: List[Measured]) -> List[Tuple[Measured, float, float]]:

@@ -8,11 +8,13 @@ How the search uses it (search.py):
 - Same hardware: the earlier runs' memory facts (peaks, OOMs, model info) are this session's too, so
   no profiling is needed; the first experiment re-measures the earlier optimum.
 - Other hardware: profiling runs as in a cold session; the earlier memory facts are not used.
-- Either way the earlier throughputs enter the throughput model as observations of the same
-  landscape, offset by one factor and each blurred by an extra spread, both learnt from the
-  configurations measured in both sessions (`Warm.offset`). They are never taken as the truth: an
-  earlier value counts as a measurement with spread TAU_SAME (same hardware) or TAU_OTHER (other)
-  until pairs show how close the two sessions are. What the search then measures is what the
+- Either way the earlier throughputs enter the throughput model as observations of the earlier
+  landscape: today's, offset by one factor (learnt from the configurations measured in both
+  sessions, `Warm.offset`), plus a smooth discrepancy, a kernel part of its own (model.py) with a
+  prior sd of TAU_SAME (same hardware) or TAU_OTHER (other hardware or world size), fitted with the
+  rest. They are never taken as the truth, and many earlier repeats of one configuration do not make
+  today's value there any surer than the discrepancy allows: the discrepancy does not average away,
+  as independent blurred values would. What the search then measures is what the
   acquisition values most: the earlier near-ties while their intervals overlap, untried
   configurations where the earlier session left doubt. The stop rule ends it as in a cold session.
 - The first new run that reports a parameter count other than the earlier sessions' drops the warm
@@ -28,7 +30,7 @@ from mlautotune.search.candidates import params_key
 from mlautotune.search.ledger import Measured
 from mlautotune.search.model import Observation
 
-TAU_SAME = 0.03  # prior spread (log units) of an earlier value against today's, same hardware
+TAU_SAME = 0.03  # prior sd (log units) of the discrepancy between an earlier landscape and today's, same hardware
 TAU_OTHER = 0.25  # ... other hardware or world size
 PRIOR_PAIRS = 2.0  # the prior spread weighs as much as this many pairs
 
@@ -78,7 +80,8 @@ class Warm:
     def offset(self, runs: List[Measured]) -> Tuple[float, float, int]:
         """(c, tau^2, pairs): today's log score = an earlier one + c, give or take tau. From the
         configurations measured in both: c their mean log ratio, tau^2 the spread of the ratios beyond
-        what the measurements' own noise explains, shrunk towards the prior spread."""
+        what the measurements' own noise explains, shrunk towards the prior spread (for the console;
+        the model fits the discrepancy itself)."""
         new = _by_config([m for m in runs if m.value is not None and m.trial_number >= 0])
         old = _by_config(self.ok)
         pairs = [(new[k], old[k]) for k in new if k in old]
@@ -91,9 +94,10 @@ class Warm:
         return c, tau2, len(pairs)
 
     def observations(self, runs: List[Measured]) -> List[Observation]:
-        """The earlier measurements as observations of today's landscape: offset by c, blurred by tau."""
-        c, tau2, _ = self.offset(runs)
-        return [Observation(m.params, math.log(self.score(v)) + c, self.noise_var(m) + tau2) for m in self.ok for v in m.values]
+        """The earlier measurements, offset by c, as observations of the earlier landscape (`earlier`:
+        today's plus the model's discrepancy part)."""
+        c, _, _ = self.offset(runs)
+        return [Observation(m.params, math.log(self.score(v)) + c, self.noise_var(m), earlier=True) for m in self.ok for v in m.values]
 
     def optimum(self) -> Optional[Measured]:
         """The optimum the newest earlier session declared (what its report, parent run and study
