@@ -2,10 +2,9 @@
 
 A saver costs time (checkpointing recomputes the forward, ~1/3 more compute; offload moves the
 optimizer step, and at stage 3 the weights, over the host link), so it is proposed only where the
-memory model (memory.py) says it lets at least as large a micro-batch fit as the configurations
-without it:
-- activation checkpointing (plan.checkpointing: the script has a flag for it), at the sizes from
-  the largest that any stage fits without it up;
+memory model (memory.py) says it lets a larger micro-batch fit than the configurations without it:
+- activation checkpointing (plan.checkpointing: the script has a flag for it), at the sizes above
+  the largest that any stage fits without it;
 - ZeRO-Offload (plan.offload_device): offload_optimizer at stages 1-3, with offload_param at stage 3,
   only when no stage fits, or the best fits only micro-batches under SMALL_MICRO_BATCH, and only
   where the host has the RAM for it: the offloaded states of every rank of a node (host_bytes,
@@ -15,9 +14,9 @@ without it:
   accelerator pins nothing: pin_memory is a no-op), so moving states to the host frees nothing.
 A combination of savers is proposed above the largest size that fits without savers, from the edges
 of each smaller combination up (at the same size it may be the faster, with memory less full), at
-every size where fits.py gives it a chance to fit:
-P(fits) carries the memory model's uncertainty (a per-sample slope not yet measured with
-checkpointing is a wide one), and an OOM is a cost in the acquisition. Their
+every size where fits.py gives it a chance to fit: P(fits) carries the memory model's uncertainty
+(a per-sample slope not yet measured with checkpointing is a wide one), and an OOM is a cost in the
+acquisition. Their
 params are plain switches (`activation_checkpointing: true`, absent when off), recorded in Optuna
 and MLflow like the knobs and encoded by the throughput model like them, so the model learns
 their cost from what they measure. When every stage ran out of memory at the smallest micro-batch
