@@ -76,7 +76,7 @@ def test_an_earlier_session_s_many_measurements_leave_today_s_value_as_uncertain
     today = [(p(m, False), v) for m, v in {2: 10.0, 4: 14.0}.items()]
     obs = [Observation(q, math.log(v), 0.01**2) for q, v in today]
     obs += [Observation(p(8, True), math.log(20.0), 0.01**2, earlier=True) for _ in range(20)]
-    model = ThroughputModel(Encoder(KNOBS), 0).fit(obs, discrepancy=0.25**2)
+    model = ThroughputModel(Encoder(KNOBS), 0, discrepancy=0.25**2).fit(obs)
     (mu,), (sd,) = model.predict([p(8, True)])
     assert sd > 0.15 and abs(mu - math.log(20.0)) < 0.5
     cold = ThroughputModel(Encoder(KNOBS), 0).fit(obs[:2])

@@ -126,20 +126,21 @@ class Observation:
 class ThroughputModel:
     """A GP over log(score): `predict` gives the latent mean and sd."""
 
-    def __init__(self, encoder: Encoder, seed: int = 0, pressure: Optional[Callable[[Dict[str, Any]], float]] = None):
+    def __init__(self, encoder: Encoder, seed: int = 0, pressure: Optional[Callable[[Dict[str, Any]], float]] = None,
+                 discrepancy: float = 0.0):
+        """`discrepancy`: the prior variance of how an earlier session's landscape differs from today's,
+        a smooth part of its own (kernel_of) between the observations that are `earlier`."""
         self.encoder, self.seed = encoder, seed
         self.pressure = pressure or (lambda p: 0.0)
         self.gp = None
         self.mean = 0.0
         self.prior_sd = 0.5
-        self.discrepancy = 0.0  # the prior variance of the earlier sessions' discrepancy (0: no earlier observations)
+        self.discrepancy = discrepancy
+        self.flagged = False  # fitted on earlier observations: the flag column and the discrepancy part are in
 
-    def fit(self, obs: List[Observation], kernel=None, mean: Optional[float] = None, start=None,
-            discrepancy: Optional[float] = None) -> "ThroughputModel":
+    def fit(self, obs: List[Observation], kernel=None, mean: Optional[float] = None, start=None) -> "ThroughputModel":
         """Fit on the observations; with `kernel` (and `mean`) given, those are kept, not fitted; with
-        `start` (an earlier fit's kernel), its hyperparameters are where the fit starts. `discrepancy`:
-        the prior variance of how an earlier session's landscape differs from today's, a smooth part
-        of its own (kernel_of), where observations are `earlier`."""
+        `start` (an earlier fit's kernel), its hyperparameters are where the fit starts."""
         from sklearn.gaussian_process import GaussianProcessRegressor
         from sklearn.gaussian_process.kernels import WhiteKernel
 
@@ -147,8 +148,7 @@ class ThroughputModel:
         y = np.array([o.log_score for o in obs], dtype=float)
         self.mean = mean if mean is not None else (float(y.mean()) if len(y) else 0.0)
         self.prior_sd = max(float(y.std()) if len(y) > 1 else 0.0, 0.25)  # before data say otherwise, configurations differ by tens of percent
-        if discrepancy is not None:
-            self.discrepancy = discrepancy if any(o.earlier for o in obs) else 0.0
+        self.flagged = bool(self.discrepancy) and any(o.earlier for o in obs)
         X = self.X([o.params for o in obs], [o.earlier for o in obs])
         optimizer = None
         if kernel is None:
@@ -167,7 +167,7 @@ class ThroughputModel:
         and, with earlier observations, whether a row is one (today's configurations are not)."""
         pressure = np.array([[self.pressure(p)] for p in params], dtype=float).reshape(len(params), 1)
         X = np.hstack([self.encoder.rows(params), pressure])
-        if not self.discrepancy:
+        if not self.flagged:
             return X
         flag = np.array(earlier if earlier is not None else [False] * len(params), dtype=float).reshape(len(params), 1)
         return np.hstack([X, flag])
@@ -183,7 +183,7 @@ class ThroughputModel:
 
         from mlautotune.search.kernels import Both, KnobsAdd
 
-        flag = 1 if self.discrepancy else 0  # the earlier-observation column, last
+        flag = 1 if self.flagged else 0  # the earlier-observation column, last
         knobs = width - 7 - flag
         off = (IGNORED, IGNORED * (1 + 1e-6))
 
@@ -232,5 +232,4 @@ class ThroughputModel:
             return self
         mu, _ = self.predict(params)
         extra = [Observation(dict(p), float(m)) for p, m in zip(params, mu)]
-        return ThroughputModel(self.encoder, self.seed, self.pressure).fit(self.obs + extra, kernel=self.gp.kernel_, mean=self.mean,
-                                                                           discrepancy=self.discrepancy)
+        return ThroughputModel(self.encoder, self.seed, self.pressure, self.discrepancy).fit(self.obs + extra, kernel=self.gp.kernel_, mean=self.mean)

@@ -100,7 +100,7 @@ class Search(StrategyBase):
         if self._fitted[0] != key:
             start = self._fitted[1].kernel if self._fitted[1] is not None and len(obs) > MIN_FIT else None
             discrepancy = self.warm.tau0**2 if self.warm is not None else 0.0  # how far an earlier session's landscape may be from today's
-            self._fitted = (key, ThroughputModel(self.encoder, self.s.seed, fill).fit(obs, start=start, discrepancy=discrepancy) if obs else None)
+            self._fitted = (key, ThroughputModel(self.encoder, self.s.seed, fill, discrepancy).fit(obs, start=start) if obs else None)
         return self._fitted[1]
 
     def ranked(self, runs: List[Measured]) -> List[Tuple[Measured, float, float]]:
