@@ -81,3 +81,17 @@ def test_an_earlier_session_s_many_measurements_leave_today_s_value_as_uncertain
     assert sd > 0.15 and abs(mu - math.log(20.0)) < 0.5
     cold = ThroughputModel(Encoder(KNOBS), 0).fit(obs[:2])
     assert cold.X([p(8, True)]).shape == model.X([p(8, True)]).shape[:1] + (model.X([p(8, True)]).shape[1] - 1,)
+
+
+def test_a_peak_just_below_the_memory_edge_stays_possible():
+    """Throughput rises to micro-batch 16 (65% of memory full) and falls at 32 (99%: the allocator retries).
+    24 (85% full) is untried: the peak often lies there, just below the edge. Its 95% interval must reach
+    above the best measured value, or the search never runs it. With the fill itself as the input, 85% lies
+    between 65% and 99%, and the model interpolates the fall; the input is the log of the free share, so
+    near the limit configurations are far apart and the fall at 32 says little of 24."""
+    fill = {4: 0.3, 8: 0.45, 16: 0.65, 24: 0.85, 32: 0.99}
+    value = {4: 8.0, 8: 11.0, 16: 14.0, 32: 8.0}
+    points = [(p(m, False), v) for m, v in value.items()] + [(p(m, True), v * 1.03) for m, v in value.items() if m <= 8]
+    model = fitted(points, lambda q: fill[q["micro_batch"]])
+    (mu,), (sd,) = model.predict([p(24, False)])
+    assert math.exp(mu + 1.96 * sd) > max(value.values())

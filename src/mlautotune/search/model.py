@@ -3,8 +3,9 @@
 Throughput: a Gaussian process (scikit-learn) on the log of the score (higher is better whatever
 the metric), fitted on every measurement of every stage, re-measurements included, each as its own
 noisy observation. Inputs: the stage (one-hot), log2 of the micro-batch and of the gradient
-accumulation, each knob scaled to 0..1 over its values, and the memory pressure (fits.py's
-predicted peak over the limit). The kernel (`kernel_of`) adds two ARD Matern 5/2 parts, the
+accumulation, each knob scaled to 0..1 over its values, and the memory pressure: -log of the free
+share of memory that fits.py predicts (`headroom`), so that near the limit, where a run's speed
+changes fast with the fill, configurations are far apart. The kernel (`kernel_of`) adds two ARD Matern 5/2 parts, the
 stage, sizes and pressure's and the knobs', a part where each knob value's own effect adds up
 (kernels.py), and white noise. With an earlier session's measurements (a warm start, warm.py), a
 last input column flags them, and one more part, the discrepancy, exists between them only. The
@@ -30,6 +31,7 @@ MIN_FIT = 5  # measurements before the kernel's hyperparameters are fitted
 MAX_ITERATIONS = 30
 NOISE_FLOOR = 1e-4  # variance of one measurement in log units: at least 1% (sd)
 Z95 = 1.96
+HEADROOM_FLOOR = 0.02
 KNOB_FLOOR = 0.2  # the knobs' part keeps at least this sd (log units): a few runs cannot say that knobs do not matter;
 # 0.2 rather than 0.1 reaches 99% on more generated landscapes, held-out seeds too (benchmarks/generator.md)
 IGNORED = 1e5  # the length scale of a column a kernel part does not look at
@@ -87,6 +89,12 @@ def _map(prior_theta: np.ndarray):
             return value + 0.5 * float(z @ z), grad + weight * z / PRIOR_LOG_SD
         return _lbfgs(objective, initial_theta, bounds)
     return optimizer
+
+
+def headroom(fill: float) -> float:
+    """The memory-pressure input: -log of the free share of the device's memory (at least HEADROOM_FLOOR),
+    so that near the limit, where a run's speed changes fast with the fill, configurations are far apart."""
+    return -math.log(max(1.0 - fill, HEADROOM_FLOOR))
 
 
 class Encoder:
@@ -163,9 +171,9 @@ class ThroughputModel:
         return self
 
     def X(self, params: Sequence[Dict[str, Any]], earlier: Optional[Sequence[bool]] = None) -> np.ndarray:
-        """The inputs: the encoder's columns, then the memory pressure (the predicted peak over the limit),
+        """The inputs: the encoder's columns, then the memory pressure (`headroom` of the predicted fill),
         and, with earlier observations, whether a row is one (today's configurations are not)."""
-        pressure = np.array([[self.pressure(p)] for p in params], dtype=float).reshape(len(params), 1)
+        pressure = np.array([[headroom(self.pressure(p))] for p in params], dtype=float).reshape(len(params), 1)
         X = np.hstack([self.encoder.rows(params), pressure])
         if not self.flagged:
             return X
