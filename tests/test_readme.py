@@ -192,10 +192,11 @@ def test_the_parser_reads_bash_blocks_and_skips_the_rest():
     assert blocks == [["bash scripts/setup.sh && . .venv/bin/activate && mlautotune plan", "bash scripts/test.sh",
                        "mlautotune config=x.json autotuning.tuner_num_trials=8", "echo 'a # b'"],
                       [".venv/bin/mlflow ui --port 5000", "no-such-program-here --x"]]
-    script, servers, skipped = script_of(blocks[0], os.environ["PATH"])
+    path = f"{Path(sys.prefix) / 'bin'}{os.pathsep}{os.environ['PATH']}"  # as the README's commands run: this environment's bin/ first
+    script, servers, skipped = script_of(blocks[0], path)
     assert script.splitlines()[2:] == ["mlautotune plan", f"mlautotune config=x.json autotuning.tuner_num_trials={README_NUM_TRIALS}", "echo 'a # b'"]
     assert not servers and not skipped
-    script, servers, skipped = script_of(blocks[1], os.environ["PATH"])
+    script, servers, skipped = script_of(blocks[1], path)
     assert script == "" and servers == [".venv/bin/mlflow ui --port 5000"] and skipped[0].startswith("no-such-program-here")
 
 
