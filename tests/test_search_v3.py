@@ -179,11 +179,12 @@ class NoisyFlat(Flat):
 
 def test_the_stop_rule_counts_the_probes_own_noise_in_what_one_more_measurement_can_show():
     """A measurement with a 4% interval moves a posterior mean less than the model's white noise alone
-    says: near-ties on a noisy flat landscape cannot be told apart, and the search ends before its
-    budget (taking the noise of one more measurement as the white noise alone, it never does)."""
+    says: near-ties on a noisy flat landscape cannot be told apart, and the search ends well before a
+    budget of 100 (about 50 experiments; taking the noise of one more measurement as the white noise
+    alone, it runs 85)."""
     runner = NoisyFlat()
-    out = tune(plan_of(stages=(0, 1, 2, 3), mbs=MicroBatchRule("min", (1,))), runner)
-    assert len(runner.calls) < 40, f"{len(runner.calls)} experiments on a noisy flat landscape"
+    out = tune(plan_of(stages=(0, 1, 2, 3), mbs=MicroBatchRule("min", (1,))), runner, num_trials=100)
+    assert len(runner.calls) < 65, f"{len(runner.calls)} experiments on a noisy flat landscape"
     assert any(n.startswith("stopped: the probability") for n in out.notes)
 
 

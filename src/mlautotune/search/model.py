@@ -31,7 +31,7 @@ MIN_FIT = 5  # measurements before the kernel's hyperparameters are fitted
 MAX_ITERATIONS = 30
 NOISE_FLOOR = 1e-4  # variance of one measurement in log units: at least 1% (sd)
 Z95 = 1.96
-HEADROOM_FLOOR = 0.02
+HEADROOM_FLOOR = 0.05  # the free share's floor: fits.py's predicted fill is not finer than a few percent (PEAK_SD, ALLOCATOR_SLACK)
 KNOB_FLOOR = 0.2  # the knobs' part keeps at least this sd (log units): a few runs cannot say that knobs do not matter;
 # 0.2 rather than 0.1 reaches 99% on more generated landscapes, held-out seeds too (benchmarks/generator.md)
 IGNORED = 1e5  # the length scale of a column a kernel part does not look at
