@@ -252,3 +252,20 @@ def test_the_search_finds_a_configuration_where_only_offload_fits():
         assert found is not None and (found.get("offload_optimizer") or found.get("offload_param")), found
         regrets.append(1 - runner.true_value(found) / generator.best(land)["value"])
     assert sorted(regrets)[len(regrets) // 2] < 0.1, regrets  # the median within 10% of the best
+
+
+def test_calibration_scores_the_posterior_against_the_truth_of_every_fitting_configuration():
+    """calibration.py at a session's end: the landscape's best is among the configurations it scores, and
+    the session's reach and declared value are the replay's own (the same seed replays the same session)."""
+    import calibration
+    import replay
+
+    seed = 25
+    r = calibration.calibration((seed, False))
+    land = generator.make(seed)
+    runner, found = replay.replay(land, "model_based", seed, 1)
+    best = generator.best(land)["value"]
+    assert r["near"] >= 1 and 0.0 <= r["near_outside"] <= 1.0 and 0.0 <= r["outside"] <= 1.0
+    assert r["experiments"] == len(runner.log)
+    assert math.isclose(r["reach"], max(e["value"] or 0.0 for e in runner.log) / best)
+    assert math.isclose(r["declared"], runner.true_value(found) / best)
