@@ -5,9 +5,9 @@ the metric), fitted on every measurement of every stage, re-measurements include
 noisy observation. Inputs: the stage (one-hot), log2 of the micro-batch and of the gradient
 accumulation, each knob scaled to 0..1 over its values, and the memory pressure: -log of the free
 share of memory that fits.py predicts (`headroom`), so that near the limit, where a run's speed
-changes fast with the fill, configurations are far apart. The kernel (`kernel_of`) adds two ARD Matern 5/2 parts, the
-stage, sizes and pressure's and the knobs', a part where each knob value's own effect adds up
-(kernels.py), and white noise. With an earlier session's measurements (a warm start, warm.py), a
+changes fast with the fill, configurations are far apart. The kernel (`kernel_of`) adds two ARD
+Matern 5/2 parts, the stage, sizes and pressure's and the knobs', a part where each knob value's
+own effect adds up (kernels.py), and white noise. With an earlier session's measurements (a warm start, warm.py), a
 last input column flags them, and one more part, the discrepancy, exists between them only. The
 hyperparameters are fitted by their posterior mode once five measurements exist (fixed, broad
 ones before): the marginal
