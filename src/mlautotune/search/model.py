@@ -7,12 +7,12 @@ accumulation, each knob scaled to 0..1 over its values, and the memory pressure:
 share of memory that fits.py predicts (`headroom`), so that near the limit, where a run's speed
 changes fast with the fill, configurations are far apart. The kernel (`kernel_of`) adds two ARD
 Matern 5/2 parts, the stage, sizes and pressure's and the knobs', a part where each knob value's
-own effect adds up (kernels.py), and white noise. With an earlier session's measurements (a warm start, warm.py), a
-last input column flags them, and one more part, the discrepancy, exists between them only. The
-hyperparameters are fitted by their posterior mode once five measurements exist (fixed, broad
-ones before): the marginal
-likelihood times a log-normal prior around the broad ones, so that a few points cannot make the
-model sure that something does not matter; each fit starts from the last. A measurement's own
+own effect adds up (kernels.py), and white noise. With an earlier session's measurements (a warm
+start, warm.py), a last input column flags them, and one more part, the discrepancy, exists between
+them only. The hyperparameters are fitted by their posterior mode once five measurements exist
+(fixed, broad ones before): the marginal likelihood times a log-normal prior around the broad
+ones, so that a few points cannot make the model sure that something does not matter; each fit
+starts from the last. A measurement's own
 interval, where the probe gave one, is added to its noise. A configuration nobody measured has
 the prior's mean and spread: an unseen stage is uncertain, not bad.
 
