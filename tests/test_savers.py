@@ -192,6 +192,22 @@ def test_when_every_stage_runs_out_of_memory_the_search_tries_offload_at_the_lea
     assert Search(plan, SearchSettings(memory_limit_bytes=GiB, device="cpu")).next(ledger) is None
 
 
+def test_an_offloaded_run_s_peak_pins_its_own_configuration_not_the_plain_one():
+    """P(fits) takes a measured peak against the prediction with the same savers: an offloaded run whose
+    peak the memory model predicted exactly leaves the posterior's peak there where it was measured,
+    and the plain configuration keeps the states offload moved off the device."""
+    plan = plan_of(stages=(1,), checkpointing=False)
+    m = memory(stages=(1,))
+    off = {"stage": 1, "micro_batch": 2, "gas": 1, "offload_optimizer": True}
+    peak = int(m.predict(1, 2, {"offload_optimizer": True}))
+    ran = Result("z1_gas1_tmbspg2_oo1", "ok", {"throughput": 10.0, "peak_memory_bytes": peak, "interval_rel": 0.01, "num_params": N,
+                                               "trainable_num_params": N}, "", 10.0, "", 0)
+    fit = FitModel(plan, m, _ledger(plan, [(off, ran)]).order)
+    assert fit.fill(off) * m.limit == pytest.approx(peak, rel=0.02)
+    plain = {"stage": 1, "micro_batch": 2, "gas": 1}
+    assert fit.fill(plain) * m.limit == pytest.approx(m.predict(1, 2), rel=0.02) and m.predict(1, 2) > 1.1 * peak
+
+
 def test_the_search_proposes_checkpointing_beyond_the_plain_edge_and_the_summary_says_which_won():
     plan = plan_of()
     s = SearchSettings(memory_limit_bytes=8 * GiB, device="cuda")

@@ -678,15 +678,15 @@ def test_a_failed_first_run_does_not_end_the_session():
 
 def test_the_trial_budget_counts_re_measurements():
     """tuner_num_trials caps launches: a near-tied leader is not re-measured past the budget."""
-    land = Landscape(spread=0.05)  # a near-tie that is re-measured 3 times with budget to spare
+    land = Landscape(spread=0.05)  # a near-tie that is re-measured with budget to spare
     out = tuner(make_plan(stages=[0], mbs=MicroBatchRule("list", (12, 13))), land, tuner_type="model_based")[0].tune()
-    assert len(land.calls) > 3 and out.best.repeats
+    assert len(land.calls) > 2  # two configurations, so one was measured again
     land = Landscape(spread=0.05)
-    t, _ = tuner(make_plan(stages=[0], mbs=MicroBatchRule("list", (12, 13))), land, tuner_type="model_based", num_trials=3)
+    t, _ = tuner(make_plan(stages=[0], mbs=MicroBatchRule("list", (12, 13))), land, tuner_type="model_based", num_trials=2)
     out = t.tune()
-    assert len(land.calls) == 3 and out.best is not None
+    assert len(land.calls) == 2 and out.best is not None
     # a re-measurement the budget stops is not reported as made: it is what was left
-    assert out.notes == ["stopped: tuner_num_trials=3 experiments run"] and out.left[0].endswith(" again")
+    assert out.notes == ["stopped: tuner_num_trials=2 experiments run"] and out.left[0].endswith(" again")
 
 
 # ---- several workers: proposals while other trials are in flight ---------------------------------------

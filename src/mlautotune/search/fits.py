@@ -1,29 +1,31 @@
 """P(fits): the probability that a configuration runs without running out of memory.
 
 One posterior over how the memory model (memory.py) is wrong, corrected by every run and OOM of
-every stage and knob set. Each draw is a way the per-rank peak could really be:
+every stage, knob set and memory saver. Each draw is a way the per-rank peak could really be:
 
-    peak = the memory model's prediction (its fitted fixed part, the ZeRO model states, its
-           fitted growth per sample)
-           + (s - the fitted growth) x (micro-batch - the stage's measured sizes' mean)
+    peak = the memory model's prediction with the configuration's savers (its fitted fixed part, the
+           ZeRO model states less what offload moves to the host, its fitted growth per sample)
+           + (g - the memory model's g) x micro-batch - (s - the memory model's s) x the stage's measured sizes' mean
            + b x the knobs' buffers above the stage's default knobs (DeepSpeed's bucket semantics)
            + d, the stage's own error
+           + o, the offload combination's own error (none without offload)
 
-s, the growth per sample, on a grid over seven decades: its prior is mostly near the fitted growth
-(tight once two sizes of a stage are measured, wide on the prior slope), and WRONG_SHARE of it is
-spread over the whole grid: the model may simply be wrong, and a run of OOMs must then move the
-edge by more than one size. b: how far the buffer formula is off (around 1). d: small for a stage
-that ran with its default knobs, larger for one that did not (ZeRO's states by stage are a formula,
-not a measurement). Given s, the peak is linear in (d, b): every measured peak, of any knob set, is
-taken in exactly (a Gaussian update), and weighs s by its marginal likelihood. Then every OOM weighs
-the draws by the probability that the draw is over the limit there, and every run without a peak
-by the probability that it is under. P(fits) of a configuration is the weighted share of draws
-under the limit (each draw's limit spread by ALLOCATOR_SLACK: the allocator's soft edge).
-Two facts stay hard: a knob set that ran at a micro-batch fits every
-smaller one, and an OOM at a micro-batch means every larger one of the stage with no fewer buffers
-(and the same memory savers) runs out too. The memory savers (savers.py) enter through the memory
-model's prediction: offload removes states, checkpointing scales the growth per sample by the memory
-model's factor, off by a log-normal k per draw (its peaks weigh the draws like an OOM does).
+g is the growth per sample: s without activation checkpointing, c with it. s is on a grid over
+seven decades: its prior is mostly near the fitted growth (tight once two sizes of a stage are
+measured, wide on the prior slope), and WRONG_SHARE of it is spread over the whole grid: the model
+may simply be wrong, and a run of OOMs must then move the edge by more than one size. Given s, the
+peak is linear in (d, b, c, o), each with a Gaussian prior: d small for a stage that ran with its
+default knobs, larger for one that did not (ZeRO's states by stage are a formula, not a
+measurement); b around 1 (how far the buffer formula is off); c around the memory model's
+checkpointing factor times s, CHECKPOINT_SD wide; o around 0, OFFLOAD_SD of the limit. So every
+measured peak, of any knob set and savers, is taken in exactly (a Gaussian update per grid value of
+s, whose marginal likelihood weighs s), and checkpointing's growth is learned from its own runs'
+peaks even where the plain growth is not known. Then every OOM weighs the draws by the probability
+that the draw is over the limit there, and every run without a peak by the probability that it is
+under. P(fits) of a configuration is the weighted share of draws under the limit (each draw's
+limit spread by ALLOCATOR_SLACK: the allocator's soft edge). Two facts stay hard: a knob set that
+ran at a micro-batch fits every smaller one, and an OOM at a micro-batch means every larger one of
+the stage with no fewer buffers (and the same memory savers) runs out too.
 """
 
 import math
@@ -40,8 +42,10 @@ WRONG_SHARE = 0.25  # prior mass of the growth per sample spread over the whole 
 MEASURED_SLOPE_SD = 0.25  # log sd of the growth per sample once measured at two sizes of a stage
 PRIOR_SLOPE_SD = 1.0  # ... while it rests on the prior slope
 BUFFER_SD = 0.5  # sd of the buffer formula's factor (around 1)
-CHECKPOINT_SD = 0.5  # log sd of checkpointing's memory factor (memory.py's estimate) before a checkpointed run measured it
-MEASURED_CHECKPOINT_SD = 0.15  # ... after
+CHECKPOINT_SD = 0.5  # sd of the growth per sample with checkpointing, c, as a share of its prior mean (memory.py's factor x s)
+OFFLOAD_SD = 0.1  # an offload combination's own error, as a share of the limit: what offload frees is a formula, not a measurement
+OFFLOAD_KEYS = (("offload_optimizer",), ("offload_optimizer", "offload_param"), ("offload_param",))
+PARTS = 6 + len(OFFLOAD_KEYS)  # the linear parts of a peak: d by stage, b, c, an offset per offload combination
 RAN_STAGE_SD = 0.02  # a stage's own error, as a share of the limit, once it ran with default knobs
 UNRUN_STAGE_SD = 0.05  # ... before, plus STATES_SD of its model states' difference from a stage that ran
 STATES_SD = 0.5
@@ -114,42 +118,48 @@ class FitModel:
             self.anchor[stage] = float(np.mean(sizes))
             spread[stage] = RAN_STAGE_SD * limit if own else UNRUN_STAGE_SD * limit + STATES_SD * abs(
                 mem.model_states(stage) - mem.model_states(near_stage))
-        prior_mean = np.array([0.0, 0.0, 0.0, 0.0, 1.0])
-        prior_cov = np.diag(np.append(spread**2, BUFFER_SD**2))
-        measured = [(p, float(peak)) for p, status, peak in outcomes if status == "ok" and peak and not _checkpointed(p)]
-        mean, cov = np.tile(prior_mean, (len(grid), 1)), prior_cov
+        G, draws = len(grid), len(grid) * DRAWS_PER_SLOPE
+        prior_mean = np.zeros((G, PARTS))
+        prior_mean[:, 4], prior_mean[:, 5] = 1.0, mem.checkpoint_factor * grid  # b around 1; c around the factor's share of s
+        prior_cov = np.tile(np.diag(np.concatenate([spread**2, [BUFFER_SD**2, 0.0], [(OFFLOAD_SD * limit) ** 2] * len(OFFLOAD_KEYS)])), (G, 1, 1))
+        prior_cov[:, 5, 5] = (CHECKPOINT_SD * mem.checkpoint_factor * grid) ** 2
+        measured = [(p, float(peak)) for p, status, peak in outcomes if status == "ok" and peak]
+        mean, cov = prior_mean, prior_cov
         if measured:
-            H = np.array([[1.0 if p["stage"] == st else 0.0 for st in range(4)] + [self._shift(p)] for p, _ in measured])
+            H = np.array([self._row(p) for p, _ in measured])  # J x PARTS
             noise = np.diag([(PEAK_SD * peak) ** 2 for _, peak in measured])
-            gap = np.array([peak - mem.predict(p["stage"], p["micro_batch"]) for p, peak in measured])
-            lever = np.array([p["micro_batch"] - self.anchor[p["stage"]] for p, _ in measured])
-            resid = gap[None, :] - (grid - self.slope)[:, None] * lever[None, :]  # G x J: what (d, b) must explain
-            C = H @ prior_cov @ H.T + noise
-            off = resid - (H @ prior_mean)[None, :]
-            log_prior = log_prior - 0.5 * np.einsum("gj,gj->g", off, np.linalg.solve(C, off.T).T)
-            gain = prior_cov @ H.T @ np.linalg.inv(C)
-            mean = prior_mean[None, :] + off @ gain.T
-            cov = prior_cov - gain @ H @ prior_cov
-        cov = (cov + cov.T) / 2
-        root = np.linalg.cholesky(cov + np.diag(1e-9 * np.maximum(np.diag(cov), 1e-12)))  # d in bytes, b a factor: jitter per element
-        theta = np.repeat(mean, DRAWS_PER_SLOPE, axis=0) + rng.standard_normal((len(grid) * DRAWS_PER_SLOPE, 5)) @ root.T
+            gap = np.array([peak - mem.predict(p["stage"], p["micro_batch"], savers_of(p)) for p, peak in measured])
+            ckpt = np.array([_checkpointed(p) for p, _ in measured])
+            sizes = np.array([p["micro_batch"] for p, _ in measured], dtype=float)
+            at = np.array([self.anchor[p["stage"]] for p, _ in measured])
+            lever = np.where(ckpt, -at, sizes - at)  # where s enters a peak (peaks(): the anchor's term, and the growth if not checkpointed)
+            fitted_c = np.array([mem.per_sample_with(savers_of(p)) if c else 0.0 for (p, _), c in zip(measured, ckpt)])
+            resid = gap[None, :] - (grid - self.slope)[:, None] * lever[None, :] + (fitted_c * sizes)[None, :]  # G x J: what H theta must explain
+            HS = np.einsum("jp,gpq->gjq", H, prior_cov)
+            C = np.einsum("gjq,kq->gjk", HS, H) + noise[None]
+            off = resid - np.einsum("jp,gp->gj", H, prior_mean)
+            solved = np.linalg.solve(C, off[:, :, None])[:, :, 0]
+            log_prior = log_prior - 0.5 * np.einsum("gj,gj->g", off, solved) - 0.5 * np.linalg.slogdet(C)[1]
+            mean = prior_mean + np.einsum("gjp,gj->gp", HS, solved)
+            cov = prior_cov - np.einsum("gjp,gjq->gpq", HS, np.linalg.solve(C, HS))
+        cov = (cov + np.swapaxes(cov, 1, 2)) / 2
+        diag = np.maximum(np.einsum("gpp->gp", cov), 1e-12)
+        root = np.linalg.cholesky(cov + 1e-9 * diag[:, :, None] * np.eye(PARTS)[None])  # d in bytes, b a factor: jitter per element
+        z = np.hstack([rng.standard_normal((draws, 5)), rng.standard_normal((draws, 1))])  # (d, b), then c
+        self.edge_bytes = limit * (1.0 + ALLOCATOR_SLACK * rng.standard_normal(draws))  # each draw's soft edge
+        z = np.hstack([z, rng.standard_normal((draws, len(OFFLOAD_KEYS)))])
+        theta = np.repeat(mean, DRAWS_PER_SLOPE, axis=0) + np.einsum("npq,nq->np", np.repeat(root, DRAWS_PER_SLOPE, axis=0), z)
         self.s = np.repeat(grid, DRAWS_PER_SLOPE)
         self.d = {stage: theta[:, stage] for stage in range(4)}
-        self.b = theta[:, 4]
-        measured_ckpt = any(not oom and "activation_checkpointing" in keys for _, keys, _, _, oom in mem.saver_points)
-        ckpt_sd = MEASURED_CHECKPOINT_SD if measured_ckpt else CHECKPOINT_SD
-        self.k = np.exp(ckpt_sd * rng.standard_normal(len(self.s)))  # how far checkpointing's saving is off
-        self.edge_bytes = limit * (1.0 + ALLOCATOR_SLACK * rng.standard_normal(len(self.s)))  # each draw's soft edge
+        self.b, self.c = theta[:, 4], theta[:, 5]
+        self.o = {key: theta[:, 6 + i] for i, key in enumerate(OFFLOAD_KEYS)}
         log_w = np.repeat(log_prior, DRAWS_PER_SLOPE)
         soft = ALLOCATOR_SLACK * limit
         for params, status, peak in outcomes:
-            if status == "ok" and peak and not _checkpointed(params):
+            if status == "ok" and peak:
                 continue  # taken in exactly above
             pred = self.peaks(params, [params["micro_batch"]])[0]
-            if status == "ok" and peak:  # checkpointed: linear in (d, b) only given k too, so weighed here
-                log_w += -0.5 * ((pred - float(peak)) / (PEAK_SD * float(peak))) ** 2
-            else:
-                log_w += _log_norm_cdf((pred - limit) / soft) if status == "oom" else _log_norm_cdf((limit - pred) / soft)
+            log_w += _log_norm_cdf((pred - limit) / soft) if status == "oom" else _log_norm_cdf((limit - pred) / soft)
         w = np.exp(log_w - log_w.max())
         self.w = w / w.sum()
 
@@ -158,17 +168,20 @@ class FitModel:
         stage, savers = params["stage"], savers_of(params)
         m = np.asarray(sizes, dtype=float)[:, None]
         base = np.array([self.memory.predict(stage, int(x), savers) for x in sizes], dtype=float)[:, None]
-        growth = self._growth(params)  # each draw's per sample, with these savers
-        at = self.anchor[stage]
+        fitted = self.memory.per_sample_with(savers) if _checkpointed(params) else self.slope
         # the draw's fixed part matches the peaks measured at the anchor: base + (slope - s) at + (growth - fitted growth) m
-        return base + (self.slope - self.s) * at + (growth - self._fitted_growth(params)) * m + self.b * self._shift(params) + self.d[stage]
-
-    def _fitted_growth(self, params: Dict[str, Any]) -> float:
-        return self.memory.per_sample_with(savers_of(params)) if _checkpointed(params) else self.slope
+        return (base + (self.slope - self.s) * self.anchor[stage] + (self._growth(params) - fitted) * m + self.b * self._shift(params)
+                + self.d[stage] + self.o.get(_offloaded(savers), 0.0))
 
     def _growth(self, params: Dict[str, Any]) -> np.ndarray:
-        """Each draw's memory per sample: s, scaled by checkpointing's factor (the memory model's, off by k)."""
-        return self.s * (self._fitted_growth(params) / self.slope) * self.k if _checkpointed(params) else self.s
+        """Each draw's memory per sample: s, or with checkpointing c (not below 0)."""
+        return np.maximum(self.c, 0.0) if _checkpointed(params) else self.s
+
+    def _row(self, params: Dict[str, Any]) -> List[float]:
+        """Where (d by stage, b, c, the offload offsets) enter this configuration's peak: H's row."""
+        savers = savers_of(params)
+        return ([1.0 if params["stage"] == st else 0.0 for st in range(4)] + [self._shift(params)]
+                + [float(params["micro_batch"]) if _checkpointed(params) else 0.0] + [1.0 if _offloaded(savers) == key else 0.0 for key in OFFLOAD_KEYS])
 
     # ---- what the search asks --------------------------------------------------------------------
     def _buffers(self, params: Dict[str, Any]) -> float:
@@ -226,6 +239,11 @@ class FitModel:
         else:
             p = np.full(len(sizes), 0.9 if self.ooms else 1.0)
         return [1.0 if mbs <= fits_up_to else 0.0 if mbs >= fails_from else float(x) for mbs, x in zip(sizes, p)]
+
+
+def _offloaded(savers: Dict[str, bool]) -> tuple:
+    """The offload combination switched on (empty: none)."""
+    return tuple(sorted(k for k in savers if k.startswith("offload")))
 
 
 def _checkpointed(params: Dict[str, Any]) -> bool:

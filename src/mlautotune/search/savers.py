@@ -2,7 +2,8 @@
 
 A saver costs time (checkpointing recomputes the forward, ~1/3 more compute; offload moves the
 optimizer step, and at stage 3 the weights, over the host link), so it is proposed only where the
-memory model (memory.py) says it lets a larger micro-batch fit than the configurations without it:
+memory edges say it lets a larger micro-batch fit than the configurations without it (the edges of
+fits.py's posterior, corrected by every run and OOM; the memory model's before it has one):
 - activation checkpointing (plan.checkpointing: the script has a flag for it), at the sizes above
   the largest that any stage fits without it;
 - ZeRO-Offload (plan.offload_device): offload_optimizer at stages 1-3, with offload_param at stage 3,
@@ -23,7 +24,7 @@ their cost from what they measure. When every stage ran out of memory at the sma
 before any run succeeded, `bootstrap` proposes offload at the stage that keeps the least per rank.
 """
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from mlautotune.inputs.space import CHECKPOINTING_KEY, TuningPlan
 from mlautotune.search.candidates import base_knobs, stage_knob_combos, with_knobs
@@ -59,19 +60,23 @@ def host_fits(memory: MemoryModel, stage: int, savers: Dict[str, bool]) -> bool:
     return not need or memory.host_memory is None or need <= HOST_FRACTION * memory.host_memory or per_rank <= memory.host_held
 
 
-def plain_edge(memory: MemoryModel, plan: TuningPlan) -> int:
-    """The largest micro-batch any stage is predicted to fit without savers (0: none fits)."""
-    return max([0, *(memory.max_micro_batch(s, plan.micro_batch_cap) for s in plan.stages if memory.fits(s, 1))])
+def plain_edge(memory: MemoryModel, plan: TuningPlan, edge: Optional[Callable[[int, Dict[str, bool]], int]] = None) -> int:
+    """The largest micro-batch any stage is predicted to fit without savers (0: none fits); `edge`
+    (stage, savers) -> that size, from fits.py's posterior (candidates), else the memory model's."""
+    if edge is None:
+        return max([0, *(memory.max_micro_batch(s, plan.micro_batch_cap) for s in plan.stages if memory.fits(s, 1))])
+    return max([0, *(edge(s, {}) for s in plan.stages)])
 
 
-def proposals(plan: TuningPlan, memory: Optional[MemoryModel], allowed: Sequence[int], notes: Optional[List[str]] = None) -> List[Tuple[int, Dict[str, bool], List[int]]]:
+def proposals(plan: TuningPlan, memory: Optional[MemoryModel], allowed: Sequence[int], notes: Optional[List[str]] = None,
+              edge: Optional[Callable[[int, Dict[str, bool]], int]] = None) -> List[Tuple[int, Dict[str, bool], List[int]]]:
     """(stage, savers, sizes) for every saver combination worth proposing: the allowed sizes (and the
     combination's own edge) above the plain edge and from the edges of its smaller combinations up;
-    P(fits) (fits.py) says how far up (candidates)."""
+    P(fits) (fits.py) says how far up (candidates). `edge`: as in plain_edge."""
     notes = notes if notes is not None else []
     if memory is None or memory.limit is None or memory.fixed is None or not memory.per_sample:
         return []
-    base = plain_edge(memory, plan)
+    base = plain_edge(memory, plan, edge)
     out = []
     if plan.offload_device and memory.device == "cpu":
         notes.append("ZeRO-Offload is not proposed: with the CPU accelerator host memory is device memory, so offloading frees nothing")
@@ -80,8 +85,8 @@ def proposals(plan: TuningPlan, memory: Optional[MemoryModel], allowed: Sequence
         for savers in combos(plan, stage, memory):
             key = tuple(sorted(savers))
             below = max(e for k, e in edges.items() if set(k) < set(key))
-            edge = memory.max_micro_batch(stage, plan.micro_batch_cap, savers=savers)
-            edges[key] = max(edge, below)
+            top = edge(stage, savers) if edge is not None else memory.max_micro_batch(stage, plan.micro_batch_cap, savers=savers)
+            edges[key] = max(top, below)
             offload = any(savers.get(k) for k in ("offload_optimizer", "offload_param"))
             if offload and base >= SMALL_MICRO_BATCH:
                 continue  # a stage fits micro-batches that are not small without it
@@ -89,9 +94,9 @@ def proposals(plan: TuningPlan, memory: Optional[MemoryModel], allowed: Sequence
                 notes.append(f"z{stage} with {'+'.join(key)}: not proposed, its {memory.host_bytes(stage, savers) * memory.local_ranks / 2**30:.1f} GiB of "
                              f"offloaded states per node exceed {HOST_FRACTION:.0%} of the host's {memory.host_memory / 2**30:.1f} GiB of RAM")
                 continue
-            if edge <= base or edge < below:
+            if top <= base or top < below:
                 continue  # it lets no larger size fit than no saver does, or fewer than a smaller combination
-            sizes = sorted({m for m in allowed if m > base and m >= below} | ({edge} if plan.micro_batch.mode == "min" and not plan.max_train_batch_size else set()))
+            sizes = sorted({m for m in allowed if m > base and m >= below} | ({top} if plan.micro_batch.mode == "min" and not plan.max_train_batch_size else set()))
             if sizes:
                 out.append((stage, savers, sizes))
     return out
@@ -99,9 +104,17 @@ def proposals(plan: TuningPlan, memory: Optional[MemoryModel], allowed: Sequence
 
 def candidates(plan: TuningPlan, fit: Any, allowed: Sequence[int], notes: Optional[List[str]] = None) -> List[Tuple[Dict[str, Any], float]]:
     """The saver configurations of the constrained space, each with its P(fits): every knob combination
-    of the stage at the sizes its proposal allows."""
+    of the stage at the sizes its proposal allows, the edges from fits.py's posterior (its median, with
+    the stage's default knobs): every run and OOM has corrected it, where the memory model's point
+    estimate may still be far off (an OOM of one saver combination says little about another)."""
+    low = min(allowed)
+
+    def edge(stage: int, savers: Dict[str, bool]) -> int:
+        top = fit.edge(with_knobs(plan, stage, low, {**base_knobs(plan, stage), **savers}))
+        return int(min(top, plan.micro_batch_cap)) if top is not None else fit.memory.max_micro_batch(stage, plan.micro_batch_cap, savers=savers)
+
     out = []
-    for stage, savers, sizes in proposals(plan, fit.memory, allowed, notes):
+    for stage, savers, sizes in proposals(plan, fit.memory, allowed, notes, edge):
         for knobs in stage_knob_combos(plan, stage):
             first = with_knobs(plan, stage, sizes[0], {**knobs, **savers})
             out += [(with_knobs(plan, stage, m, {**knobs, **savers}), p) for m, p in zip(sizes, fit.p_fits(first, sizes))]
