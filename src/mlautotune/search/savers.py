@@ -109,9 +109,8 @@ def candidates(plan: TuningPlan, fit: Any, allowed: Sequence[int], notes: Option
     estimate may still be far off (an OOM of one saver combination says little about another)."""
     low = min(allowed)
 
-    def edge(stage: int, savers: Dict[str, bool]) -> int:
-        top = fit.edge(with_knobs(plan, stage, low, {**base_knobs(plan, stage), **savers}))
-        return int(min(top, plan.micro_batch_cap)) if top is not None else fit.memory.max_micro_batch(stage, plan.micro_batch_cap, savers=savers)
+    def edge(stage: int, savers: Dict[str, bool]) -> int:  # proposals asks only with a limit and a fitted memory model: fit.usable
+        return int(min(fit.edge(with_knobs(plan, stage, low, {**base_knobs(plan, stage), **savers})), plan.micro_batch_cap))
 
     out = []
     for stage, savers, sizes in proposals(plan, fit.memory, allowed, notes, edge):
