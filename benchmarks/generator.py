@@ -647,6 +647,40 @@ def worst(by) -> List[str]:
             + f"; replay one alone with `python benchmarks/generator.py score{family} --only SEED --trace`"]
 
 
+def records_by(record: Dict[str, Any], strategy: str, workers: int) -> Dict[int, Dict[str, Any]]:
+    """One strategy x worker count's records of a score --json record, by seed."""
+    return {r["seed"]: r for res in record["results"] for r in res["records"] if (r["strategy"], r["workers"]) == (strategy, workers)}
+
+
+def compare(new: Dict[int, Dict[str, Any]], old: Dict[int, Dict[str, Any]], names: Tuple[str, str] = ("new", "old")) -> List[str]:
+    """Two searches landscape by landscape (the seeds both scored): on each measure, where the first is
+    lower and where higher, with a sign test; each one's reach and regret; and the landscapes whose
+    regret moved most. A change that moves a few landscapes either way is within chance."""
+    seeds = sorted(set(new) & set(old))
+    if not seeds:
+        return ["no landscape in both records"]
+    a, b = names
+    measures = {"experiments to 99% (never = infinity)": lambda r: math.inf if r["to99"] is None else r["to99"],
+                "final regret (to 0.1%)": lambda r: round(r["regret"], 3),
+                "experiments": lambda r: r["experiments"],
+                "wall hours to 99% (never = infinity)": lambda r: math.inf if r["wall_hours_to99"] is None else r["wall_hours_to99"]}
+    out = [f"{len(seeds)} landscapes in both"]
+    for name, f in measures.items():
+        lower, higher = sum(f(new[s]) < f(old[s]) for s in seeds), sum(f(new[s]) > f(old[s]) for s in seeds)
+        out.append(f"- {name}: {a} lower on {lower}, higher on {higher} (sign test p = {sign_test(lower, higher):.2g})")
+    for tag, rs in ((a, new), (b, old)):
+        regrets = [rs[s]["regret"] for s in seeds]
+        reach = sum(rs[s]["to99"] is not None for s in seeds)
+        out.append(f"- {tag}: reaches 99% on {reach}/{len(seeds)}, regret median / p95 / worst {statistics.median(regrets):.1%} / "
+                   f"{quantile(regrets, 0.95):.1%} / {max(regrets):.1%}, experiments (median) {statistics.median(rs[s]['experiments'] for s in seeds):g}")
+    moved = sorted(((new[s]["regret"] - old[s]["regret"], s) for s in seeds if abs(new[s]["regret"] - old[s]["regret"]) >= 5e-4))
+    for label, part in ((f"{a} worse", moved[::-1][:5]), (f"{a} better", moved[:5])):
+        part = [(d, s) for d, s in part if (d > 0) == label.endswith("worse")]
+        if part:
+            out.append(f"- regret, {label} (seed: {a} / {b}): " + ", ".join(f"{s}: {new[s]['regret']:.1%} / {old[s]['regret']:.1%}" for _, s in part))
+    return out
+
+
 def score(args: argparse.Namespace) -> None:
     strategies = args.strategies.split(",")
     counts = [int(n) for n in args.workers.split(",")]
@@ -694,8 +728,16 @@ def main() -> None:
     tb = sub.add_parser("table", help="the figures table of records written by score --json (several are merged, by seed)")
     tb.add_argument("records", nargs="+")
     tb.add_argument("--json", metavar="OUT", help="write the merged record (each record's command kept)")
+    cp = sub.add_parser("compare", help="two records of score --json, landscape by landscape (sign tests)")
+    cp.add_argument("new")
+    cp.add_argument("old")
+    cp.add_argument("--strategy", default="model_based")
+    cp.add_argument("--workers", type=int, default=1)
     args = ap.parse_args()
-    if args.command == "show":
+    if args.command == "compare":
+        pair = [records_by(json.loads(Path(path).read_text()), args.strategy, args.workers) for path in (args.new, args.old)]
+        print("\n".join(compare(*pair, names=(Path(args.new).stem, Path(args.old).stem))))
+    elif args.command == "show":
         for seed in args.seeds:
             land = make(seed, savers=args.savers)
             print(shape(land, best(land)))

@@ -204,6 +204,27 @@ def test_table_merges_records_by_seed(tmp_path, monkeypatch, capsys):
     assert [x["strategy"] for x in merged["results"][2]["records"]] == ["model_based", "random"], "a landscape's strategies are pooled, not replaced"
 
 
+def test_compare_pairs_two_searches_landscape_by_landscape(tmp_path, monkeypatch, capsys):
+    """Two records of seeds 0-10: the new search needs fewer experiments to 99% on 7 landscapes, as
+    many on 3, and misses seed 3, which the old one reached; its regret is higher there alone."""
+    def result(seed, to99, regret, workers=1):
+        return {"seed": seed, "records": [{"landscape": f"gen_{seed}", "strategy": "model_based", "seed": seed, "workers": workers, "to95": to99,
+                                           "to99": to99, "regret": regret, "experiments": 30, "wall_hours": 1.0,
+                                           "wall_hours_to99": None if to99 is None else to99 / 10, "failures": 0, "after99": None}]}
+    new = [result(s, None if s == 3 else (5 if s < 8 else 10), 0.04 if s == 3 else 0.0) for s in range(11)]
+    old = [result(s, 10, 0.0) for s in range(11)] + [result(11, 4, 0.0)]
+    (tmp_path / "new.json").write_text(json.dumps({"results": new}))
+    (tmp_path / "old.json").write_text(json.dumps({"results": old + [result(0, 1, 0.0, workers=4)]}))
+    monkeypatch.setattr(sys, "argv", ["generator.py", "compare", str(tmp_path / "new.json"), str(tmp_path / "old.json")])
+    generator.main()
+    text = capsys.readouterr().out
+    assert text.startswith("11 landscapes in both"), "seed 11 is in one record only; 4 workers' records are another search"
+    assert "- experiments to 99% (never = infinity): new lower on 7, higher on 1 (sign test p = 0.07)" in text
+    assert "- final regret (to 0.1%): new lower on 0, higher on 1 (sign test p = 1)" in text
+    assert "- new: reaches 99% on 10/11" in text and "- old: reaches 99% on 11/11" in text
+    assert "- regret, new worse (seed: new / old): 3: 4.0% / 0.0%" in text and "new better" not in text
+
+
 SAVER_SEEDS = range(4)
 
 
