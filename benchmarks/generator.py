@@ -504,12 +504,16 @@ def bootstrap(diffs: List[float], resamples: int = 2000, seed: int = 0) -> Tuple
     return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
 
 
+def records_by(results: List[Dict[str, Any]], strategy: str, workers: int) -> Dict[int, Dict[str, Any]]:
+    """One strategy x worker count's records of scored landscapes, by seed."""
+    return {r["seed"]: r for res in results for r in res["records"] if (r["strategy"], r["workers"]) == (strategy, workers)}
+
+
 def summary(results: List[Dict[str, Any]]) -> str:
     """The figures of scored landscapes: a table per strategy and worker count, the 4/1 workers' ratio,
     model_based against random and grid, the issue's targets, and the worst landscapes' seeds."""
-    records = [r for res in results for r in res["records"]]
-    keys = list(dict.fromkeys((r["strategy"], r["workers"]) for r in records))
-    by = {k: {r["seed"]: r for r in records if (r["strategy"], r["workers"]) == k} for k in keys}
+    keys = list(dict.fromkeys((r["strategy"], r["workers"]) for res in results for r in res["records"]))
+    by = {k: records_by(results, *k) for k in keys}
     seeds = sorted(res["seed"] for res in results)
     return "\n".join([f"\n### {len(results)} generated landscapes (seeds {seeds[0]}..{seeds[-1]})\n", *table(by), "", *workers(by),
                       *margins(by), *targets(by), *worst(by)])
@@ -647,11 +651,6 @@ def worst(by) -> List[str]:
             + f"; replay one alone with `python benchmarks/generator.py score{family} --only SEED --trace`"]
 
 
-def records_by(record: Dict[str, Any], strategy: str, workers: int) -> Dict[int, Dict[str, Any]]:
-    """One strategy x worker count's records of a score --json record, by seed."""
-    return {r["seed"]: r for res in record["results"] for r in res["records"] if (r["strategy"], r["workers"]) == (strategy, workers)}
-
-
 def compare(new: Dict[int, Dict[str, Any]], old: Dict[int, Dict[str, Any]], names: Tuple[str, str] = ("new", "old")) -> List[str]:
     """Two searches landscape by landscape (the seeds both scored): on each measure, where the first is
     lower and where higher, with a sign test; each one's reach and regret; and the landscapes whose
@@ -673,11 +672,12 @@ def compare(new: Dict[int, Dict[str, Any]], old: Dict[int, Dict[str, Any]], name
         reach = sum(rs[s]["to99"] is not None for s in seeds)
         out.append(f"- {tag}: reaches 99% on {reach}/{len(seeds)}, regret median / p95 / worst {statistics.median(regrets):.1%} / "
                    f"{quantile(regrets, 0.95):.1%} / {max(regrets):.1%}, experiments (median) {statistics.median(rs[s]['experiments'] for s in seeds):g}")
-    moved = sorted(((new[s]["regret"] - old[s]["regret"], s) for s in seeds if abs(new[s]["regret"] - old[s]["regret"]) >= 5e-4))
-    for label, part in ((f"{a} worse", moved[::-1][:5]), (f"{a} better", moved[:5])):
-        part = [(d, s) for d, s in part if (d > 0) == label.endswith("worse")]
+    moved = sorted(seeds, key=lambda s: new[s]["regret"] - old[s]["regret"])  # most improved first
+    worse = [s for s in reversed(moved) if new[s]["regret"] - old[s]["regret"] >= 5e-4][:5]
+    better = [s for s in moved if old[s]["regret"] - new[s]["regret"] >= 5e-4][:5]
+    for label, part in ((f"{a} worse", worse), (f"{a} better", better)):
         if part:
-            out.append(f"- regret, {label} (seed: {a} / {b}): " + ", ".join(f"{s}: {new[s]['regret']:.1%} / {old[s]['regret']:.1%}" for _, s in part))
+            out.append(f"- regret, {label} (seed: {a} / {b}): " + ", ".join(f"{s}: {new[s]['regret']:.1%} / {old[s]['regret']:.1%}" for s in part))
     return out
 
 
@@ -735,7 +735,7 @@ def main() -> None:
     cp.add_argument("--workers", type=int, default=1)
     args = ap.parse_args()
     if args.command == "compare":
-        pair = [records_by(json.loads(Path(path).read_text()), args.strategy, args.workers) for path in (args.new, args.old)]
+        pair = [records_by(json.loads(Path(path).read_text())["results"], args.strategy, args.workers) for path in (args.new, args.old)]
         print("\n".join(compare(*pair, names=(Path(args.new).stem, Path(args.old).stem))))
     elif args.command == "show":
         for seed in args.seeds:

@@ -306,7 +306,7 @@ def test_a_second_session_with_one_argument_changed_starts_from_the_first(tmp_pa
     stop rule or its budget of 16). On the CPU accelerator z3 is about 5x slower than z0 at micro-batch
     8, so no configuration is a near-tie of the optimum. With stages 0 and 1, or 0 and 2 (1348 against
     1989 samples/s), a loaded machine's disturbed measurements made them near-ties, which the search
-    rightly re-measures as often as the load needs: 4 and 5 experiments in the second session in CI.
+    rightly re-measures as often as the load needs: 5 and 4 experiments in the second session in CI.
     The second session changes the workload's --seed, which does not change the model. A third, the
     second's settings in a new results folder, finds both in the MLflow store."""
     from test_session import QUICK, TINY_MODEL, cli, finish, runs, write_config
