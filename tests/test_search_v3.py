@@ -162,6 +162,26 @@ def test_the_stop_rule_ends_the_search_on_a_flat_landscape():
     assert any(n.startswith("stopped: the probability") for n in out.notes)
 
 
+def test_the_stop_rule_counts_candidates_that_rise_and_fall_together_once():
+    """Twenty copies of one untried configuration rise and fall together under the model: they are
+    as likely to pass the best as the one alone (taken as independent, about 0.95 against 0.15)."""
+    from mlautotune.search.model import Encoder, Observation, ThroughputModel
+    from mlautotune.search.stop import p_beaten
+
+    def at(stage, mbs):
+        return {"stage": stage, "micro_batch": mbs, "gas": 1}
+
+    runs = [(at(0, 1), 10.0), (at(0, 2), 18.0), (at(0, 4), 30.0), (at(0, 8), 44.0), (at(1, 4), 29.0)]
+    model = ThroughputModel(Encoder({}), 0).fit([Observation(p, math.log(v)) for p, v in runs])
+    best, other = at(0, 8), at(1, 8)
+    one = p_beaten(model, best, [other], [1.0], [], 0.01, 1e-4)
+    twenty = p_beaten(model, best, [other] * 20, [1.0] * 20, [], 0.01, 1e-4)
+    assert 0.05 < one < 0.3
+    assert abs(twenty - one) < 0.03 < 0.5 * (1 - (1 - one) ** 20)
+    for threshold in (0.05, 0.5):  # given the threshold, the answer is a bound on the same side of it
+        assert (p_beaten(model, best, [other] * 20, [1.0] * 20, [], 0.01, 1e-4, threshold) < threshold) == (twenty < threshold)
+
+
 class NoisyFlat(Flat):
     """Flat, but every measurement is a fresh draw with a 4% interval (sd 2%), as the probe reports it."""
 

@@ -228,6 +228,15 @@ class ThroughputModel:
         white = float(self.gp.kernel_.k2.noise_level)
         return mu + self.mean, np.sqrt(np.maximum(sd**2 - white, 1e-12))
 
+    def correlation(self, params: Sequence[Dict[str, Any]]) -> np.ndarray:
+        """The latent posterior's correlation between these configurations (the white noise taken out)."""
+        with warnings.catch_warnings(), one_thread():
+            warnings.simplefilter("ignore")
+            _, cov = self.gp.predict(self.X(params), return_cov=True)
+        cov = cov - float(self.gp.kernel_.k2.noise_level) * np.eye(len(params))
+        sd = np.sqrt(np.maximum(np.diag(cov), 1e-12))
+        return np.clip(cov / np.outer(sd, sd), -1.0, 1.0)
+
     def predict(self, params: Sequence[Dict[str, Any]]) -> Tuple[np.ndarray, np.ndarray]:
         if not params:
             return np.zeros(0), np.zeros(0)

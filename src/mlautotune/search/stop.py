@@ -3,27 +3,40 @@ configuration better than the incumbent by more than `margin` falls below search
 (or when the budget, tuner_num_trials, ends: the tuner's).
 
 Untried and measured configurations are judged alike, by what one more measurement of each can
-tell: the probability that its posterior mean, after one more draw, passes the incumbent's by the
-margin (a draw moves the mean by a normal amount with sd sd^2 / sqrt(sd^2 + noise), as in the
-acquisition), counted only where it fits (P(fits) from the memory model). A configuration the
-model knows little about can move far, so it keeps the search open; a near-tie measured often, or
-an untried one the model already places within noise of its neighbours, cannot, so a flat
-landscape ends the search. The chances are taken as independent: the probability errs high.
+tell: whether its posterior mean, after one more draw, passes the incumbent's by the margin (a
+draw moves the mean by a normal amount with sd sd^2 / sqrt(sd^2 + noise), as in the acquisition),
+counted only where it fits (P(fits) from the memory model). A configuration the model knows little
+about can move far, so it keeps the search open; a near-tie measured often, or an untried one the
+model already places within noise of its neighbours, cannot, so a flat landscape ends the search.
+
+The candidates are not independent: neighbours on the ladder, or knob sets that share most values,
+rise and fall together under the model. The probability that any of them passes is estimated from
+joint draws, each candidate's move correlated with the others' as their latent values are under the
+posterior; whether each fits is drawn on its own. Candidates whose own chance is negligible are
+added as if independent (they can only raise the estimate). The draws are needed only where the
+answer is in doubt: the probability is at least the largest chance and at most the chances'
+independent union, so where `threshold` lies outside those two it decides alone.
 """
 
 import math
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from mlautotune.search.acquisition import moved_sd
 from mlautotune.search.model import ThroughputModel
 
+DRAWS = 2000  # joint draws: the estimate's sd is about 0.5% at a probability of 5%
+NEGLIGIBLE = 1e-4  # a candidate's own chance below which it is not drawn jointly
+JOINT_MAX = 400  # at most this many candidates are drawn jointly (those with the highest chance)
+
 
 def p_beaten(model: ThroughputModel, incumbent: Dict[str, Any], untried: List[Dict[str, Any]], p_fit: Sequence[float],
-             measured: List[Dict[str, Any]], margin: float, noise_var: float) -> float:
+             measured: List[Dict[str, Any]], margin: float, noise_var: float, threshold: Optional[float] = None) -> float:
     """P(one more measurement, with noise of variance `noise_var` in log units, shows a configuration
-    of `untried` (that fits) or of `measured` more than `margin` better than `incumbent`)."""
+    of `untried` (that fits) or of `measured` more than `margin` better than `incumbent`). Where
+    `threshold` is below the largest chance or above their independent union, that bound is returned:
+    it is on the same side of the threshold as the probability."""
     from scipy.stats import norm
 
     params = list(untried) + list(measured)
@@ -32,5 +45,21 @@ def p_beaten(model: ThroughputModel, incumbent: Dict[str, Any], untried: List[Di
     fits = np.concatenate([np.asarray(p_fit, dtype=float).reshape(len(untried)), np.ones(len(measured))])
     (mu_inc,), _ = model.predict([incumbent])
     mu, sd = model.predict(params)
-    chance = fits * norm.sf((math.log1p(margin) - (mu - mu_inc)) / moved_sd(sd, noise_var))
-    return float(1.0 - np.prod(1.0 - chance))
+    need = (math.log1p(margin) - (mu - mu_inc)) / moved_sd(sd, noise_var)  # standard moves that pass by the margin
+    chance = fits * norm.sf(need)
+    union = 1.0 - float(np.prod(1.0 - chance))
+    if threshold is not None and (chance.max() >= threshold or union < threshold):
+        return float(chance.max()) if chance.max() >= threshold else union
+    order = np.argsort(-chance)
+    joint = [i for i in order[:JOINT_MAX] if chance[i] > NEGLIGIBLE]
+    rest = np.setdiff1d(np.arange(len(params)), joint)
+    p_rest = 1.0 - float(np.prod(1.0 - chance[rest]))
+    if not joint:
+        return p_rest
+    rng = np.random.default_rng(model.seed)
+    corr = model.correlation([params[i] for i in joint])
+    w, v = np.linalg.eigh(corr)
+    z = rng.standard_normal((DRAWS, len(joint))) @ (v * np.sqrt(np.maximum(w, 0.0))).T
+    fit = rng.random((DRAWS, len(joint))) < fits[joint]
+    p_joint = float(np.mean(np.any((z > need[joint]) & fit, axis=1)))
+    return 1.0 - (1.0 - p_joint) * (1.0 - p_rest)
