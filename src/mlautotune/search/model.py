@@ -218,24 +218,28 @@ class ThroughputModel:
     @property
     def noise_var(self) -> float:
         """The fitted variance of one measurement (log units)."""
-        return max(float(self.gp.kernel_.k2.noise_level), NOISE_FLOOR)
+        return max(self._white, NOISE_FLOOR)
+
+    def _gp_predict(self, X: np.ndarray, **kw):
+        with warnings.catch_warnings(), one_thread():
+            warnings.simplefilter("ignore")
+            return self.gp.predict(X, **kw)
 
     def latent(self, X: np.ndarray):
         """The latent (noise-free) posterior: the white-noise part is taken out of the GP's prediction."""
-        with warnings.catch_warnings(), one_thread():
-            warnings.simplefilter("ignore")
-            mu, sd = self.gp.predict(X, return_std=True)
-        white = float(self.gp.kernel_.k2.noise_level)
-        return mu + self.mean, np.sqrt(np.maximum(sd**2 - white, 1e-12))
+        mu, sd = self._gp_predict(X, return_std=True)
+        return mu + self.mean, np.sqrt(np.maximum(sd**2 - self._white, 1e-12))
 
-    def correlation(self, params: Sequence[Dict[str, Any]]) -> np.ndarray:
-        """The latent posterior's correlation between these configurations (the white noise taken out)."""
-        with warnings.catch_warnings(), one_thread():
-            warnings.simplefilter("ignore")
-            _, cov = self.gp.predict(self.X(params), return_cov=True)
-        cov = cov - float(self.gp.kernel_.k2.noise_level) * np.eye(len(params))
+    def correlation(self, X: np.ndarray) -> np.ndarray:
+        """The latent posterior's correlation between these rows of inputs (the white noise taken out)."""
+        _, cov = self._gp_predict(X, return_cov=True)
+        cov = cov - self._white * np.eye(len(X))
         sd = np.sqrt(np.maximum(np.diag(cov), 1e-12))
         return np.clip(cov / np.outer(sd, sd), -1.0, 1.0)
+
+    @property
+    def _white(self) -> float:
+        return float(self.gp.kernel_.k2.noise_level)
 
     def predict(self, params: Sequence[Dict[str, Any]]) -> Tuple[np.ndarray, np.ndarray]:
         if not params:

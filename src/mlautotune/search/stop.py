@@ -44,12 +44,15 @@ def p_beaten(model: ThroughputModel, incumbent: Dict[str, Any], untried: List[Di
         return 0.0
     fits = np.concatenate([np.asarray(p_fit, dtype=float).reshape(len(untried)), np.ones(len(measured))])
     (mu_inc,), _ = model.predict([incumbent])
-    mu, sd = model.predict(params)
+    X = model.X(params)
+    mu, sd = model.latent(X)
     need = (math.log1p(margin) - (mu - mu_inc)) / moved_sd(sd, noise_var)  # standard moves that pass by the margin
     chance = fits * norm.sf(need)
     union = 1.0 - float(np.prod(1.0 - chance))
-    if threshold is not None and (chance.max() >= threshold or union < threshold):
-        return float(chance.max()) if chance.max() >= threshold else union
+    if threshold is not None and chance.max() >= threshold:
+        return float(chance.max())
+    if threshold is not None and union < threshold:
+        return union
     order = np.argsort(-chance)
     joint = [i for i in order[:JOINT_MAX] if chance[i] > NEGLIGIBLE]
     rest = np.setdiff1d(np.arange(len(params)), joint)
@@ -57,7 +60,7 @@ def p_beaten(model: ThroughputModel, incumbent: Dict[str, Any], untried: List[Di
     if not joint:
         return p_rest
     rng = np.random.default_rng(model.seed)
-    corr = model.correlation([params[i] for i in joint])
+    corr = model.correlation(X[joint])
     w, v = np.linalg.eigh(corr)
     z = rng.standard_normal((DRAWS, len(joint))) @ (v * np.sqrt(np.maximum(w, 0.0))).T
     fit = rng.random((DRAWS, len(joint))) < fits[joint]
