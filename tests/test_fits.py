@@ -7,6 +7,7 @@ model that profiling builds from them, and the posterior over its errors.
 import pytest
 
 from mlautotune.run.experiment import Result
+from mlautotune.search import fits
 from mlautotune.search.fits import FitModel
 from mlautotune.search.candidates import distributions
 from mlautotune.search.ledger import Ledger
@@ -87,7 +88,7 @@ def test_unforeseen_ooms_move_the_edge_by_more_than_one_size_each():
 def test_a_measured_peak_pins_the_edge_and_the_memory_pressure_grows_with_the_size():
     fit = fit_of(PROFILED)
     p = fit.p_fits(params(1), [300, 500, 600, 700, 900])
-    assert p[0] > 0.9 and p[0] >= p[1] > p[2] > p[3] >= p[4] and p[4] < 0.2
+    assert p[0] > 0.9 and p[0] >= p[1] > p[2] > p[3] >= p[4] and p[4] < fits.WRONG_SHARE  # far beyond: only the slopes that say the model is wrong
     assert fit.edge(params(1)) == pytest.approx(600, rel=0.1)
     fills = [fit.fill(params(m)) for m in (1, 100, 400)]
     assert fills[0] < fills[1] < fills[2] < 1.0 and fills[0] == pytest.approx(peak(1) / (8 * GiB), rel=0.05)

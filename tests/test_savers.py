@@ -326,3 +326,40 @@ def test_a_memory_limit_that_only_checkpointing_gets_past_makes_the_session_try_
     c = MlflowClient(f"sqlite:///{tmp_path / 'tune' / 'mlflow.db'}")
     children = [r for r in c.search_runs([e.experiment_id for e in c.search_experiments()]) if r.data.tags.get("mlautotune.role") == "experiment"]
     assert any(r.data.params.get("activation_checkpointing") == "True" for r in children)  # and in MLflow
+
+
+def _checkpointed_only(extra):
+    """A 2B-parameter model on 8 ranks whose only measured peaks are two checkpointed runs of stage 3
+    (every plain run ran out of memory), then `extra` runs: the fitted fixed part is theirs."""
+    big, world, limit = 2_000_000_000, 8, 40 * GiB
+    plan = plan_of(stages=(1, 3))
+    m = MemoryModel(big, big, ADAM, world, 1, limit, "cuda")
+    metrics = {"num_params": big, "trainable_num_params": big, "throughput": 10.0, "interval_rel": 0.01}
+    oom = Result("x", "oom", {"num_params": big, "trainable_num_params": big}, "CUDA out of memory", 5.0, "", 1)
+    ck = {"stage": 3, "gas": 1, "activation_checkpointing": True}
+    runs = [({"stage": 3, "micro_batch": 1, "gas": 1}, oom)]
+    runs += [({**ck, "micro_batch": mbs}, Result("x", "ok", {**metrics, "peak_memory_bytes": int(GiB + m.model_states(3) + 0.5 * GiB * mbs)}, "", 10.0, "", 0))
+             for mbs in (1, 4)]
+    runs += [(p, oom) for p in extra]
+    ledger = _ledger(plan, runs)
+    return FitModel(plan, Search(plan, SearchSettings(memory_limit_bytes=limit, device="cuda", world_size=world)).memory_model(ledger.order), ledger.order)
+
+
+def test_with_only_checkpointed_peaks_a_plain_oom_at_the_smallest_size_is_explained_by_the_plain_growth():
+    """The fixed part was fitted on checkpointed runs, so the plain growth per sample does not move it:
+    a plain run that ran out of memory at micro-batch 1 says that growth is large, and the posterior's
+    plain peak there is over the limit."""
+    fit = _checkpointed_only([])
+    assert fit.fill({"stage": 3, "micro_batch": 1, "gas": 1}) > 1.0
+
+
+def test_a_stage_that_never_ran_keeps_its_model_states_doubt_when_only_checkpointed_runs_fitted_memory():
+    """Stage 1 keeps far more model states per rank than stage 3, the only stage with peaks (checkpointed).
+    The formula says stage 1 fits micro-batch 24 checkpointed with room to spare; OOMs at 24 and 16 say it
+    is off by some 20 GiB. The posterior must follow (its prior spread counts the states' difference from
+    the stage whose runs fitted the fixed part): micro-batch 15, just under the OOM, becomes doubtful and
+    micro-batch 2 stays likely."""
+    ck1 = {"stage": 1, "gas": 1, "activation_checkpointing": True}
+    assert _checkpointed_only([]).p_fit({**ck1, "micro_batch": 15}) > 0.9
+    after = _checkpointed_only([{**ck1, "micro_batch": 24}, {**ck1, "micro_batch": 16}])
+    assert after.p_fit({**ck1, "micro_batch": 15}) < 0.6 < 0.9 < after.p_fit({**ck1, "micro_batch": 2})

@@ -174,12 +174,14 @@ def test_the_stop_rule_counts_candidates_that_rise_and_fall_together_once():
     runs = [(at(0, 1), 10.0), (at(0, 2), 18.0), (at(0, 4), 30.0), (at(0, 8), 44.0), (at(1, 4), 29.0)]
     model = ThroughputModel(Encoder({}), 0).fit([Observation(p, math.log(v)) for p, v in runs])
     best, other = at(0, 8), at(1, 8)
-    one = p_beaten(model, best, [other], [1.0], [], 0.01, 1e-4)
-    twenty = p_beaten(model, best, [other] * 20, [1.0] * 20, [], 0.01, 1e-4)
+    one = p_beaten(model, best, [other], [1.0], [], 0.01, 1e-4).p
+    twenty = p_beaten(model, best, [other] * 20, [1.0] * 20, [], 0.01, 1e-4).p
     assert 0.05 < one < 0.3
     assert abs(twenty - one) < 0.03 < 0.5 * (1 - (1 - one) ** 20)
     for threshold in (0.05, 0.5):  # given the threshold, the answer is a bound on the same side of it
-        assert (p_beaten(model, best, [other] * 20, [1.0] * 20, [], 0.01, 1e-4, threshold) < threshold) == (twenty < threshold)
+        assert (p_beaten(model, best, [other] * 20, [1.0] * 20, [], 0.01, 1e-4, threshold).p < threshold) == (twenty < threshold)
+    low, high = (p_beaten(model, best, [other] * 20, [1.0] * 20, [], 0.01, 1e-4, t) for t in (0.05, 0.999))
+    assert str(low).startswith("at least ") and str(high).startswith("at most "), "a bound that decided is said to be one"
 
 
 class NoisyFlat(Flat):

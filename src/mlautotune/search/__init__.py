@@ -7,7 +7,8 @@
 - step.py: a step (what to measure next, and why), and what the search shares with profiling
 - profiling.py: the first runs and the memory model
 - constrained.py: the space every sampler proposes from
-- model.py: throughput with its uncertainty (a Gaussian process) and P(fits) (the memory model as prior)
+- model.py: throughput with its uncertainty (a Gaussian process); fits.py: P(fits) (the memory model as prior)
+- smc.py: draws from a posterior by tempered resample-move (fits.py's OOM evidence)
 - acquisition.py: expected gain of the declared optimum per second, OOM risk as a cost
 - stop.py: the stop rule
 - samplers/: gridsearch, random, any Optuna sampler (search.sampler), and the CostModelSampler

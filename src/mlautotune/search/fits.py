@@ -14,16 +14,17 @@ g is the growth per sample: s without activation checkpointing, c with it. s is 
 seven decades: its prior is mostly near the fitted growth (tight once two sizes of a stage are
 measured, wide on the prior slope), and WRONG_SHARE of it is spread over the whole grid: the model
 may simply be wrong, and a run of OOMs must then move the edge by more than one size. Given s, the
-peak is linear in (d, b, c, o), each with a Gaussian prior: d small for a stage that ran with its
-default knobs, larger for one that did not (ZeRO's states by stage are a formula, not a
-measurement); b around 1 (how far the buffer formula is off); c around the memory model's
+peak is linear in (d, b, c, o), each with a Gaussian prior: d small for a stage whose runs fitted
+the memory model's fixed part (its plain runs; where no plain run has a peak, its checkpointed
+ones), larger for one that did not (ZeRO's states by stage are a formula, not a measurement); b around 1 (how far the buffer formula is off); c around the memory model's
 checkpointing factor times s, CHECKPOINT_SD wide; o around 0, OFFLOAD_SD of the limit. So every
 measured peak, of any knob set and savers, is taken in exactly (a Gaussian update per grid value of
 s, whose marginal likelihood weighs s), and checkpointing's growth is learned from its own runs'
-peaks even where the plain growth is not known. Then every OOM weighs the draws by the probability
-that the draw is over the limit there, and every run without a peak by the probability that it is
-under. P(fits) of a configuration is the weighted share of draws under the limit (each draw's
-limit spread by ALLOCATOR_SLACK: the allocator's soft edge). Two facts stay hard: a knob set that
+peaks even where the plain growth is not known. Then every OOM's likelihood is the probability that
+the peak is over the limit there, and every run without a peak's that it is under; these are taken
+in by tempered resample-move (smc.py), so that OOMs the formula did not foresee move the draws, not
+the weights of a few of them. P(fits) of a configuration is the weighted share of draws under the
+limit (each draw's limit spread by ALLOCATOR_SLACK: the allocator's soft edge). Two facts stay hard: a knob set that
 ran at a micro-batch fits every smaller one, and an OOM at a micro-batch means every larger one of
 the stage with no fewer buffers (and the same memory savers) runs out too.
 """
@@ -33,6 +34,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from mlautotune.search import smc
 from mlautotune.search.candidates import base_knobs, knobs_of_params
 from mlautotune.search.memory import MemoryModel, savers_of
 
@@ -99,26 +101,27 @@ class FitModel:
 
     # ---- the posterior ---------------------------------------------------------------------------
     def _posterior(self, outcomes, rng: np.random.RandomState) -> None:
-        """Draws of (s, b, d) and their weights. Given s, the peak is linear in (d, b) with a Gaussian
+        """Draws of (s, theta) and their weights. Given s, the peak is linear in theta with a Gaussian
         prior: the measured peaks are taken in exactly (a Gaussian update per grid value of s, and its
-        marginal likelihood as the weight of s); OOMs and runs without a peak then weigh the draws."""
+        marginal likelihood as the weight of s); OOMs and runs without a peak then by smc.draw."""
         mem, limit = self.memory, self.limit
         self.slope = max(mem.per_sample or 0.0, 1.0)
         grid = np.geomspace(limit * 1e-7, limit, SLOPE_GRID)
         sd = MEASURED_SLOPE_SD if mem.per_sample_measured() else PRIOR_SLOPE_SD
         near = np.exp(-0.5 * (np.log(grid / self.slope) / sd) ** 2)
         log_prior = np.log((1 - WRONG_SHARE) * near / near.sum() + WRONG_SHARE / len(grid))
-        ran = {st for st, _, _, oom in mem.points if not oom}
+        plain = {st for st, _, _, oom in mem.points if not oom}
+        ran = plain or {st for st, _, _, _, oom in mem.saver_points if not oom}  # the stages whose runs fitted a fixed part (memory.py's _fit)
         spread = np.zeros(4)
         self.anchor: Dict[int, float] = {}
         for stage in range(4):
-            own = [m for st, m, _, oom in mem.points if st == stage and not oom]
             near_stage = min(ran, key=lambda r: (abs(r - stage), -r)) if ran else stage
-            sizes = own or [m for st, m, _, oom in mem.points if st == near_stage and not oom] or [1]
+            # where s moves the fixed part: the plain runs' mean size that fitted it (none: only checkpointed runs fitted it, s does not)
+            sizes = [m for st, m, _, oom in mem.points if st == (stage if stage in plain else near_stage) and not oom] or [0]
             self.anchor[stage] = float(np.mean(sizes))
-            spread[stage] = RAN_STAGE_SD * limit if own else UNRUN_STAGE_SD * limit + STATES_SD * abs(
+            spread[stage] = RAN_STAGE_SD * limit if stage in ran else UNRUN_STAGE_SD * limit + STATES_SD * abs(
                 mem.model_states(stage) - mem.model_states(near_stage))
-        G, draws = len(grid), len(grid) * DRAWS_PER_SLOPE
+        G = len(grid)
         prior_mean = np.zeros((G, PARTS))
         prior_mean[:, 4], prior_mean[:, 5] = 1.0, mem.checkpoint_factor * grid  # b around 1; c around the factor's share of s
         prior_cov = np.tile(np.diag(np.concatenate([spread**2, [BUFFER_SD**2, 0.0], [(OFFLOAD_SD * limit) ** 2] * len(OFFLOAD_KEYS)])), (G, 1, 1))
@@ -145,37 +148,36 @@ class FitModel:
         cov = (cov + np.swapaxes(cov, 1, 2)) / 2
         diag = np.maximum(np.einsum("gpp->gp", cov), 1e-12)
         root = np.linalg.cholesky(cov + 1e-9 * diag[:, :, None] * np.eye(PARTS)[None])  # d in bytes, b a factor: jitter per element
-        z = np.hstack([rng.standard_normal((draws, 5)), rng.standard_normal((draws, 1))])  # (d, b), then c
-        self.edge_bytes = limit * (1.0 + ALLOCATOR_SLACK * rng.standard_normal(draws))  # each draw's soft edge
-        z = np.hstack([z, rng.standard_normal((draws, len(OFFLOAD_KEYS)))])
-        theta = np.repeat(mean, DRAWS_PER_SLOPE, axis=0) + np.einsum("npq,nq->np", np.repeat(root, DRAWS_PER_SLOPE, axis=0), z)
-        self.s = np.repeat(grid, DRAWS_PER_SLOPE)
-        self.d = {stage: theta[:, stage] for stage in range(4)}
-        self.b, self.c = theta[:, 4], theta[:, 5]
-        self.o = {key: theta[:, 6 + i] for i, key in enumerate(OFFLOAD_KEYS)}
-        log_w = np.repeat(log_prior, DRAWS_PER_SLOPE)
+        evidence = [(params, status == "oom") for params, status, peak in outcomes if not (status == "ok" and peak)]  # the peaks are in exactly
         soft = ALLOCATOR_SLACK * limit
-        for params, status, peak in outcomes:
-            if status == "ok" and peak:
-                continue  # taken in exactly above
-            pred = self.peaks(params, [params["micro_batch"]])[0]
-            log_w += _log_norm_cdf((pred - limit) / soft) if status == "oom" else _log_norm_cdf((limit - pred) / soft)
-        w = np.exp(log_w - log_w.max())
-        self.w = w / w.sum()
 
-    def peaks(self, params: Dict[str, Any], sizes: Sequence[int]) -> np.ndarray:
-        """Each draw's peak (bytes) at each size: len(sizes) x draws."""
+        def loglik(at: np.ndarray, theta: np.ndarray) -> np.ndarray:
+            total = np.zeros(len(at))
+            for params, oom in evidence:
+                over = (self.peaks(params, [params["micro_batch"]], grid[at], theta)[0] - limit) / soft
+                total += _log_norm_cdf(over if oom else -over)
+            return total
+
+        at, self.theta, self.w = smc.draw(log_prior, mean, root, loglik, len(grid) * DRAWS_PER_SLOPE, rng)
+        self.s = grid[at]
+        self.edge_bytes = limit * (1.0 + ALLOCATOR_SLACK * rng.standard_normal(len(at)))  # each draw's soft edge
+
+    def peaks(self, params: Dict[str, Any], sizes: Sequence[int], s: Optional[np.ndarray] = None, theta: Optional[np.ndarray] = None) -> np.ndarray:
+        """Each draw's peak (bytes) at each size: len(sizes) x draws (the posterior's draws, or these)."""
+        s, theta = (self.s, self.theta) if theta is None else (s, theta)
         stage, savers = params["stage"], savers_of(params)
         m = np.asarray(sizes, dtype=float)[:, None]
         base = np.array([self.memory.predict(stage, int(x), savers) for x in sizes], dtype=float)[:, None]
         fitted = self.memory.per_sample_with(savers) if _checkpointed(params) else self.slope
+        off = _offloaded(savers)
+        offset = theta[:, 6 + OFFLOAD_KEYS.index(off)] if off else 0.0
         # the draw's fixed part matches the peaks measured at the anchor: base + (slope - s) at + (growth - fitted growth) m
-        return (base + (self.slope - self.s) * self.anchor[stage] + (self._growth(params) - fitted) * m + self.b * self._shift(params)
-                + self.d[stage] + self.o.get(_offloaded(savers), 0.0))
+        return (base + (self.slope - s) * self.anchor[stage] + (self._growth(params, s, theta) - fitted) * m + theta[:, 4] * self._shift(params)
+                + theta[:, stage] + offset)
 
-    def _growth(self, params: Dict[str, Any]) -> np.ndarray:
+    def _growth(self, params: Dict[str, Any], s: np.ndarray, theta: np.ndarray) -> np.ndarray:
         """Each draw's memory per sample: s, or with checkpointing c (not below 0)."""
-        return np.maximum(self.c, 0.0) if _checkpointed(params) else self.s
+        return np.maximum(theta[:, 5], 0.0) if _checkpointed(params) else s
 
     def _row(self, params: Dict[str, Any]) -> List[float]:
         """Where (d by stage, b, c, the offload offsets) enter this configuration's peak: H's row."""
@@ -203,7 +205,7 @@ class FitModel:
         if not self.usable:
             return None
         at = max(1, int(round(self.anchor[params["stage"]])))
-        edges = at + (self.edge_bytes - self.peaks(params, [at])[0]) / np.maximum(self._growth(params), 1.0)
+        edges = at + (self.edge_bytes - self.peaks(params, [at])[0]) / np.maximum(self._growth(params, self.s, self.theta), 1.0)
         order = np.argsort(edges)
         median = float(edges[order][np.searchsorted(np.cumsum(self.w[order]), 0.5)])
         fits_up_to, fails_from = self._facts(params)

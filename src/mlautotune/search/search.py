@@ -213,11 +213,11 @@ class Search(StrategyBase):
         again = np.arange(len(params)) >= n
         g = gain(diff, sd, fits_interval, noise, MARGIN, measured=again)  # a re-measurement counts only what passes the incumbent by the margin
         values = per_second(g, p_fit, ok_s, oom_s)
-        p = p_beaten(model, params[inc], untried, p_fit[:n], [q for i, q in enumerate(params[n:], n) if i != inc], MARGIN, noise,
-                     self.s.stop_probability)
-        if p < self.s.stop_probability or not np.isfinite(values).any() or values.max() <= 0:
+        chance = p_beaten(model, params[inc], untried, p_fit[:n], [q for i, q in enumerate(params[n:], n) if i != inc], MARGIN, noise,
+                          self.s.stop_probability)
+        if chance.p < self.s.stop_probability or not np.isfinite(values).any() or values.max() <= 0:
             self.note(f"stopped: the probability that one more measurement shows a configuration better than the best by more than {MARGIN:.0%} "
-                      f"is {p:.1%}, under search.stop_probability={self.s.stop_probability:g}")
+                      f"is {chance}, under search.stop_probability={self.s.stop_probability:g}")
             return None
         i = int(np.argmax(values))
         why = f"expected gain {relative(g[i]):.2%}{f' beyond {MARGIN:.0%}' if again[i] else ''} over the best, P(fits) {p_fit[i]:.2f}"

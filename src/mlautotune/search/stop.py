@@ -19,7 +19,7 @@ independent union, so where `threshold` lies outside those two it decides alone.
 """
 
 import math
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -31,17 +31,27 @@ NEGLIGIBLE = 1e-4  # a candidate's own chance below which it is not drawn jointl
 JOINT_MAX = 400  # at most this many candidates are drawn jointly (those with the highest chance)
 
 
+class Chance(NamedTuple):
+    """The probability, or the bound that decided (`bound`: "at most" or "at least"; "" for the estimate)."""
+
+    p: float
+    bound: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.bound + ' ' if self.bound else ''}{self.p:.1%}"
+
+
 def p_beaten(model: ThroughputModel, incumbent: Dict[str, Any], untried: List[Dict[str, Any]], p_fit: Sequence[float],
-             measured: List[Dict[str, Any]], margin: float, noise_var: float, threshold: Optional[float] = None) -> float:
+             measured: List[Dict[str, Any]], margin: float, noise_var: float, threshold: Optional[float] = None) -> Chance:
     """P(one more measurement, with noise of variance `noise_var` in log units, shows a configuration
     of `untried` (that fits) or of `measured` more than `margin` better than `incumbent`). Where
-    `threshold` is below the largest chance or above their independent union, that bound is returned:
-    it is on the same side of the threshold as the probability."""
+    `threshold` is below the largest chance or above their independent union, that bound is returned
+    (and said): it is on the same side of the threshold as the probability."""
     from scipy.stats import norm
 
     params = list(untried) + list(measured)
     if not params:
-        return 0.0
+        return Chance(0.0)
     fits = np.concatenate([np.asarray(p_fit, dtype=float).reshape(len(untried)), np.ones(len(measured))])
     (mu_inc,), _ = model.predict([incumbent])
     X = model.X(params)
@@ -50,19 +60,19 @@ def p_beaten(model: ThroughputModel, incumbent: Dict[str, Any], untried: List[Di
     chance = fits * norm.sf(need)
     union = 1.0 - float(np.prod(1.0 - chance))
     if threshold is not None and chance.max() >= threshold:
-        return float(chance.max())
+        return Chance(float(chance.max()), "at least")
     if threshold is not None and union < threshold:
-        return union
+        return Chance(union, "at most")
     order = np.argsort(-chance)
     joint = [i for i in order[:JOINT_MAX] if chance[i] > NEGLIGIBLE]
     rest = np.setdiff1d(np.arange(len(params)), joint)
     p_rest = 1.0 - float(np.prod(1.0 - chance[rest]))
     if not joint:
-        return p_rest
+        return Chance(p_rest)
     rng = np.random.default_rng(model.seed)
     corr = model.correlation(X[joint])
     w, v = np.linalg.eigh(corr)
     z = rng.standard_normal((DRAWS, len(joint))) @ (v * np.sqrt(np.maximum(w, 0.0))).T
     fit = rng.random((DRAWS, len(joint))) < fits[joint]
     p_joint = float(np.mean(np.any((z > need[joint]) & fit, axis=1)))
-    return 1.0 - (1.0 - p_joint) * (1.0 - p_rest)
+    return Chance(1.0 - (1.0 - p_joint) * (1.0 - p_rest))
