@@ -16,17 +16,17 @@ measured, wide on the prior slope), and WRONG_SHARE of it is spread over the who
 may simply be wrong, and a run of OOMs must then move the edge by more than one size. Given s, the
 peak is linear in (d, b, c, o), each with a Gaussian prior: d small for a stage whose runs fitted
 the memory model's fixed part (its plain runs; where no plain run has a peak, its checkpointed
-ones), larger for one that did not (ZeRO's states by stage are a formula, not a measurement); b around 1 (how far the buffer formula is off); c around the memory model's
-checkpointing factor times s, CHECKPOINT_SD wide; o around 0, OFFLOAD_SD of the limit. So every
-measured peak, of any knob set and savers, is taken in exactly (a Gaussian update per grid value of
+ones), larger for one that did not (ZeRO's states by stage are a formula, not a measurement); b
+around 1 (how far the buffer formula is off); c around the memory model's checkpointing factor
+times s, CHECKPOINT_SD wide; o around 0, OFFLOAD_SD of the limit. So every measured peak, of any knob set and savers, is taken in exactly (a Gaussian update per grid value of
 s, whose marginal likelihood weighs s), and checkpointing's growth is learned from its own runs'
 peaks even where the plain growth is not known. Then every OOM's likelihood is the probability that
 the peak is over the limit there, and every run without a peak's that it is under; these are taken
 in by tempered resample-move (smc.py), so that OOMs the formula did not foresee move the draws, not
 the weights of a few of them. P(fits) of a configuration is the weighted share of draws under the
-limit (each draw's limit spread by ALLOCATOR_SLACK: the allocator's soft edge). Two facts stay hard: a knob set that
-ran at a micro-batch fits every smaller one, and an OOM at a micro-batch means every larger one of
-the stage with no fewer buffers (and the same memory savers) runs out too.
+limit (each draw's limit spread by ALLOCATOR_SLACK: the allocator's soft edge). Two facts stay
+hard: a knob set that ran at a micro-batch fits every smaller one, and an OOM at a micro-batch
+means every larger one of the stage with no fewer buffers (and the same memory savers) runs out too.
 """
 
 import math

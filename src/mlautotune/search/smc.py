@@ -1,9 +1,9 @@
 """Draws from a posterior that a prior and a likelihood define, by tempered resample-move.
 
 The prior is a discrete choice g (a grid value, with log weights) and, given g, a Gaussian: theta =
-mean[g] + root[g] z, z standard normal, root a Cholesky factor. Importance weights of prior draws collapse onto one draw once
-the evidence lies in the prior's tail (twenty OOMs where the formula says fits), and a posterior of
-one draw says every probability is 0 or 1. So the likelihood is taken in by steps: each step raises
+mean[g] + root[g] z, z standard normal, root a Cholesky factor. Importance weights of prior draws
+collapse onto one draw once the evidence lies in the prior's tail (twenty OOMs where the formula
+says fits), and a posterior of one draw says every probability is 0 or 1. So the likelihood is taken in by steps: each step raises
 its exponent as far as keeps half the draws' worth (the effective sample size), resamples, and moves
 every draw by a few Metropolis steps that leave that step's posterior unchanged: a
 preconditioned Crank-Nicolson step of z and a step of g to a neighbour.
