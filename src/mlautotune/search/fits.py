@@ -16,7 +16,8 @@ measured, wide on the prior slope), and WRONG_SHARE of it is spread over the who
 may simply be wrong, and a run of OOMs must then move the edge by more than one size. Given s, the
 peak is linear in (d, b, c, o), each with a Gaussian prior: d small for a stage whose runs fitted
 the memory model's fixed part (its plain runs; where no plain run has a peak, its checkpointed
-ones), larger for one that did not (ZeRO's states by stage are a formula, not a measurement); b
+ones), larger for one that did not (ZeRO's states by stage are a formula, not a measurement), and
+then the d of the stage it borrows its fixed part from plus its own (`_stage_cov`); b
 around 1 (how far the buffer formula is off); c around the memory model's checkpointing factor
 times s, CHECKPOINT_SD wide; o around 0, OFFLOAD_SD of the limit. So every measured peak, of any knob set and savers, is taken in exactly (a Gaussian update per grid value of
 s, whose marginal likelihood weighs s), and checkpointing's growth is learned from its own runs'
@@ -114,8 +115,9 @@ class FitModel:
         ran = plain or {st for st, _, _, _, oom in mem.saver_points if not oom}  # the stages whose runs fitted a fixed part (memory.py's _fit)
         spread = np.zeros(4)
         self.anchor: Dict[int, float] = {}
+        near: Dict[int, int] = {}
         for stage in range(4):
-            near_stage = min(ran, key=lambda r: (abs(r - stage), -r)) if ran else stage
+            near[stage] = near_stage = min(ran, key=lambda r: (abs(r - stage), -r)) if ran else stage
             # where s moves the fixed part: the plain runs' mean size that fitted it (none: only checkpointed runs fitted it, s does not)
             sizes = [m for st, m, _, oom in mem.points if st == (stage if stage in plain else near_stage) and not oom] or [0]
             self.anchor[stage] = float(np.mean(sizes))
@@ -125,6 +127,7 @@ class FitModel:
         prior_mean = np.zeros((G, PARTS))
         prior_mean[:, 4], prior_mean[:, 5] = 1.0, mem.checkpoint_factor * grid  # b around 1; c around the factor's share of s
         prior_cov = np.tile(np.diag(np.concatenate([spread**2, [BUFFER_SD**2, 0.0], [(OFFLOAD_SD * limit) ** 2] * len(OFFLOAD_KEYS)])), (G, 1, 1))
+        prior_cov[:, :4, :4] = _stage_cov(spread, ran, near)
         prior_cov[:, 5, 5] = (CHECKPOINT_SD * mem.checkpoint_factor * grid) ** 2
         measured = [(p, float(peak)) for p, status, peak in outcomes if status == "ok" and peak]
         mean, cov = prior_mean, prior_cov
@@ -241,6 +244,20 @@ class FitModel:
         else:
             p = np.full(len(sizes), 0.9 if self.ooms else 1.0)
         return [1.0 if mbs <= fits_up_to else 0.0 if mbs >= fails_from else float(x) for mbs, x in zip(sizes, p)]
+
+
+def _stage_cov(spread: np.ndarray, ran: set, near: Dict[int, int]) -> np.ndarray:
+    """The prior covariance of the stages' own errors d. A stage that did not run takes its fixed part
+    from the nearest stage that ran (memory.py), so its error is that stage's plus its own: what the
+    runs show of one carries over to the stages that borrow from it."""
+    root = {i: i if i in ran else near[i] if near[i] in ran else None for i in range(4)}
+    cov = np.diag(spread**2)
+    for i in range(4):
+        for j in range(4):
+            r = root[i]
+            if r is not None and r == root[j] and not i == j == r:
+                cov[i, j] += spread[r] ** 2
+    return cov
 
 
 def _offloaded(savers: Dict[str, bool]) -> tuple:
