@@ -126,6 +126,29 @@ def test_pending_trials_change_the_next_choice():
     assert busy is None or busy.params != alone.params, "another worker is measuring that one again: this worker goes elsewhere"
 
 
+def test_a_pending_trial_predicted_above_the_best_is_what_a_new_candidate_must_beat():
+    """Stage 2 with overlap_comm is untried, and the knobs' measured effect puts it above the best; another
+    worker is measuring it. Taken as measured at its mean, it may be the declared optimum once its result
+    is in: the next candidate's gain counts from it, not from the incumbent below it."""
+    knobs = {"overlap_comm": [False, True]}
+    plan = plan_of(stages=(1, 2), knobs={1: dict(knobs), 2: dict(knobs)}, fast=False)
+    a1 = {"stage": 1, "micro_batch": 4, "gas": 1, "overlap_comm": False}
+    b1, a2 = {**a1, "overlap_comm": True}, {**a1, "stage": 2}
+    b2 = {**a2, "overlap_comm": True}
+    measured = [(a1, ok(100.0)), (b1, ok(120.0)), (a2, ok(118.0)), (a1, ok(101.0), 0), (b1, ok(121.0), 1)]
+    bars = {}
+    for pending in ((), ((b2, None),)):
+        search = Search(plan, settings())
+        ledger = ledger_with(plan, measured, pending=pending)
+        search.next(ledger)
+        model = search.model(ledger.order).with_fantasies(search.pending_params)
+        mu, _ = model.predict([a1, b1, a2, b2])
+        bars[len(pending)] = search.bar(model, float(max(mu[:3])))
+        best = float(max(mu[:3]))
+    assert bars[0] == pytest.approx(best)
+    assert mu[3] > best and bars[1] == pytest.approx(mu[3])
+
+
 # ---- the stop rule, in a real tuner loop ---------------------------------------------------------------
 class Flat:
     """Every configuration the same throughput (within +-0.5%), memory growing with the micro-batch."""

@@ -6,7 +6,8 @@ session, or a second worker on the same study, takes up the search where it stan
 1. profiling (profiling.py): the first runs, which give the memory model its points; a stage that
    cannot fit is skipped. What follows stays inside the constrained space (constrained.py).
 2. model_based: the model (model.py) is fitted on every measurement; other workers' pending
-   experiments are taken as measured at their predicted mean. Every untried configuration (the
+   experiments are taken as measured at their predicted mean (one predicted above the incumbent is
+   then what a new configuration must beat). Every untried configuration (the
    sizes between the ladder's around the incumbent included) and every measured one (a
    re-measurement) is valued by the acquisition (acquisition.py): expected
    gain of the declared optimum per expected second, OOM risk as a cost. The best is measured,
@@ -200,7 +201,7 @@ class Search(StrategyBase):
         n = len(untried)
         order = sorted(range(n, len(params)), key=lambda i: -mu[i])
         inc = order[0]
-        diff = mu - mu[inc]
+        diff = mu - self.bar(model, mu[inc])
         fits_interval = overlap(mu, sd, np.full(len(params), mu[inc]), np.full(len(params), sd[inc]))
         if len(order) > 1:  # the incumbent measured again is worth what the runner-up may take from it
             up = order[1]
@@ -225,6 +226,14 @@ class Search(StrategyBase):
             return Step(untried[i], why)
         m = measured[i - n]
         return Step(m.params, f"measured again: {why}, within the interval of the best", repeat_of=m)
+
+    def bar(self, model: ThroughputModel, incumbent: float) -> float:
+        """What a new configuration must beat: the incumbent's posterior mean, or a pending experiment's
+        where that is higher. The model takes each pending one as measured at its mean (kriging
+        believer), so it may be the declared optimum once its result is in: a worker that ignored it
+        would value a configuration for beating what another worker is about to beat."""
+        mu_pending, _ = model.predict(self.pending_params)
+        return max([incumbent, *mu_pending.tolist()])
 
     def seconds(self, runs: List[Measured], params: List[Dict[str, Any]]) -> Tuple[List[float], List[float]]:
         """Expected seconds of each candidate's experiment, run and OOM: the medians of its stage's, else of all."""
