@@ -250,12 +250,13 @@ def _stage_cov(spread: np.ndarray, ran: set, near: Dict[int, int]) -> np.ndarray
     """The prior covariance of the stages' own errors d. A stage that did not run takes its fixed part
     from the nearest stage that ran (memory.py), so its error is that stage's plus its own: what the
     runs show of one carries over to the stages that borrow from it."""
-    root = {i: i if i in ran else near[i] if near[i] in ran else None for i in range(4)}
     cov = np.diag(spread**2)
+    if not ran:  # no stage ran: each borrows from itself, and nothing is shared
+        return cov
     for i in range(4):
         for j in range(4):
-            r = root[i]
-            if r is not None and r == root[j] and not i == j == r:
+            r = near[i]  # a stage that ran is its own nearest
+            if r == near[j] and not i == j == r:
                 cov[i, j] += spread[r] ** 2
     return cov
 
