@@ -8,7 +8,9 @@ Per landscape, z = (log of the true value - posterior mean) / posterior sd, and:
 - outside: the share of configurations whose true value is outside their 95% interval (|z| > 1.96),
   of all and of the near-best ones (true value within 3% of the best); calibrated, about 5%;
 - near-best mean z: above 0, the model places the best region too low;
-- the true best's z and sd: a large z means the search had no reason to run it.
+- the true best's z and sd: a large z means the search had no reason to run it;
+- the declared optimum's z: below 0 on average, the model places the configuration it declares too
+  high (a model that fits the landscape gives a mean of 0, selection or not).
 Then the medians over landscapes, and each session's reach (best true value measured / best) and
 declared value (true value / best), so that calibration can be read beside what it did.
 """
@@ -56,7 +58,9 @@ def calibration(job: tuple) -> Dict[str, Any]:
     near = y >= math.log(NEAR * best["value"])
     i = int(np.argmax(y))
     declared = tuner.best()
-    return {"seed": seed, "configurations": len(params), "outside": float(np.mean(np.abs(z) > 1.96)),
+    (mu_d,), (sd_d,) = model.predict([declared.params]) if declared else ([0.0], [1.0])
+    declared_z = (math.log(runner.true_value(declared.params)) - mu_d) / sd_d if declared else float("nan")
+    return {"declared_z": float(declared_z), "seed": seed, "configurations": len(params), "outside": float(np.mean(np.abs(z) > 1.96)),
             "near": int(near.sum()), "near_outside": float(np.mean(np.abs(z[near]) > 1.96)), "near_mean_z": float(np.mean(z[near])),
             "best_z": float(z[i]), "best_sd": float(sd[i]), "experiments": len(runner.log),
             "reach": max((e["value"] or 0.0) for e in runner.log) / best["value"],
@@ -84,7 +88,8 @@ def main() -> None:
     med = lambda k: statistics.median(r[k] for r in out)  # noqa: E731
     print(f"\n{len(out)} landscapes, medians: outside 95% {med('outside'):.0%}, near-best outside {med('near_outside'):.0%}, "
           f"near-best mean z {med('near_mean_z'):+.2f}, the best's z {med('best_z'):+.2f}; "
-          f"the best's |z| > 2 on {sum(abs(r['best_z']) > 2 for r in out)}; reach 99% on {sum(r['reach'] >= 0.99 for r in out)}")
+          f"the best's |z| > 2 on {sum(abs(r['best_z']) > 2 for r in out)}; reach 99% on {sum(r['reach'] >= 0.99 for r in out)}; "
+          f"the declared optimum's z: mean {statistics.mean(r['declared_z'] for r in out):+.2f}, sd {statistics.pstdev(r['declared_z'] for r in out):.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"commands": [" ".join(sys.argv)], "results": out}, indent=1))
 

@@ -303,3 +303,16 @@ def test_calibration_scores_the_posterior_against_the_truth_of_every_fitting_con
     assert r["experiments"] == len(runner.log)
     assert math.isclose(r["reach"], max(e["value"] or 0.0 for e in runner.log) / best)
     assert math.isclose(r["declared"], runner.true_value(found) / best)
+    assert math.isfinite(r["declared_z"]) and abs(r["declared_z"]) < 10, "the declared optimum's truth in its own posterior sd"
+
+
+def test_the_oracle_declares_the_best_without_noise_and_loses_more_the_more_it_must_tell_apart():
+    """benchmarks/oracle.py: with no noise it always declares the best; with noise, the same budget
+    spread over more near-ties declares a worse one on average."""
+    import oracle
+
+    top = [100.0, 99.0, 98.5, 98.0] + [97.0] * 46
+    assert all(oracle.regret(top[:k], 0.0, random.Random(r)) == 0.0 for k in (3, 50) for r in range(5))
+    few = sum(oracle.regret(top[:3], 0.08, random.Random(r)) for r in range(300)) / 300
+    many = sum(oracle.regret(top, 0.08, random.Random(r)) for r in range(300)) / 300
+    assert 0.0 < few < many
