@@ -58,9 +58,11 @@ def calibration(job: tuple) -> Dict[str, Any]:
     near = y >= math.log(NEAR * best["value"])
     i = int(np.argmax(y))
     declared = tuner.best()
-    (mu_d,), (sd_d,) = model.predict([declared.params]) if declared else ([0.0], [1.0])
-    declared_z = (math.log(runner.true_value(declared.params)) - mu_d) / sd_d if declared else float("nan")
-    return {"declared_z": float(declared_z), "seed": seed, "configurations": len(params), "outside": float(np.mean(np.abs(z) > 1.96)),
+    declared_z = float("nan")
+    if declared:
+        (mu_d,), (sd_d,) = model.predict([declared.params])
+        declared_z = float((math.log(runner.true_value(declared.params)) - mu_d) / sd_d)
+    return {"declared_z": declared_z, "seed": seed, "configurations": len(params), "outside": float(np.mean(np.abs(z) > 1.96)),
             "near": int(near.sum()), "near_outside": float(np.mean(np.abs(z[near]) > 1.96)), "near_mean_z": float(np.mean(z[near])),
             "best_z": float(z[i]), "best_sd": float(sd[i]), "experiments": len(runner.log),
             "reach": max((e["value"] or 0.0) for e in runner.log) / best["value"],

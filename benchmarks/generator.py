@@ -84,7 +84,7 @@ import random
 import statistics
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import yaml
 
@@ -425,6 +425,17 @@ def edge(t: Dict[str, Any], stage: int, knobs: Optional[Dict[str, Any]] = None) 
     return m if 0 < m < cap(t) else None
 
 
+def fitting(land: Dict[str, Any], stage: int) -> Iterator[Tuple[float, Dict[str, Any]]]:
+    """(noise-free throughput, params) of every knob combination x micro-batch of the stage that runs."""
+    t = land["model"]
+    for knobs in combos(land, stage):
+        for mbs in range(1, largest(t, stage, knobs) + 1):
+            params = config(t, stage, mbs, knobs)
+            status, metrics, _ = true_point(t, params)
+            if status == "ok":
+                yield metrics["throughput"], params
+
+
 def best(land: Dict[str, Any]) -> Dict[str, Any]:
     """The noise-free best of every stage x knob combination x micro-batch in the plan: its value, its
     params, and per stage the largest micro-batch that fits with the default knobs and the stage's best."""
@@ -432,12 +443,9 @@ def best(land: Dict[str, Any]) -> Dict[str, Any]:
     out: Dict[str, Any] = {"value": 0.0, "params": None, "stages": {}}
     for stage in land["plan"]["stages"]:
         top = (0.0, None)
-        for knobs in combos(land, stage):
-            for mbs in range(1, largest(t, stage, knobs) + 1):
-                params = config(t, stage, mbs, knobs)
-                status, metrics, _ = true_point(t, params)
-                if status == "ok" and metrics["throughput"] > top[0]:
-                    top = (metrics["throughput"], params)
+        for value, params in fitting(land, stage):
+            if value > top[0]:
+                top = (value, params)
         out["stages"][stage] = {"largest": largest(t, stage), "best": top[0], "params": top[1]}
         if top[0] > out["value"]:
             out["value"], out["params"] = top

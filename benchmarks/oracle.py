@@ -29,18 +29,9 @@ SIZES = (3, 10, 25, 50)
 REPEATS = 200
 
 
-def true_values(seed: int) -> List[float]:
+def true_values(land: Dict[str, Any]) -> List[float]:
     """Every configuration of the plan that fits, noise-free, best first."""
-    land = generator.make(seed)
-    t = land["model"]
-    values = []
-    for stage in land["plan"]["stages"]:
-        for knobs in generator.combos(land, stage):
-            for mbs in range(1, generator.largest(t, stage, knobs) + 1):
-                status, metrics, _ = generator.true_point(t, generator.config(t, stage, mbs, knobs))
-                if status == "ok":
-                    values.append(metrics["throughput"])
-    return sorted(values, reverse=True)
+    return sorted((v for stage in land["plan"]["stages"] for v, _ in generator.fitting(land, stage)), reverse=True)
 
 
 def regret(top: List[float], noise: float, rng: random.Random, budget: int = BUDGET) -> float:
@@ -53,19 +44,14 @@ def regret(top: List[float], noise: float, rng: random.Random, budget: int = BUD
 
 
 def one(seed: int) -> Dict[str, Any]:
-    values = true_values(seed)
-    noise = generator.make(seed)["traits"]["noise_rel"]
+    land = generator.make(seed)
+    values, noise = true_values(land), land["traits"]["noise_rel"]
     out: Dict[str, Any] = {"seed": seed, "noise_rel": noise, "within_3pct": sum(v >= 0.97 * values[0] for v in values)}
     for k in SIZES:
         regrets = [regret(values[:k], noise, random.Random(seed * REPEATS + rep)) for rep in range(REPEATS)]  # independent draws on every landscape
         out[f"top{k}"] = statistics.mean(regrets)
         out[f"top{k}_one"] = regrets[0]  # one draw of the noise, as a search gets
     return out
-
-
-def quantile(values: List[float], q: float) -> float:
-    xs = sorted(values)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def main() -> None:
@@ -81,8 +67,8 @@ def main() -> None:
     for k in SIZES:
         for key, what in ((f"top{k}", "mean over the noise"), (f"top{k}_one", "one draw of the noise")):
             r = [x[key] for x in results]
-            print(f"top {k:2d}, {max(1, BUDGET // k)} experiments each, {what}: regret median {quantile(r, 0.5):.2%} / "
-                  f"p95 {quantile(r, 0.95):.2%} / worst {max(r):.2%}; above 2% on {sum(v > 0.02 for v in r)} of {len(r)}")
+            print(f"top {k:2d}, {max(1, BUDGET // k)} experiments each, {what}: regret median {statistics.median(r):.2%} / "
+                  f"p95 {generator.quantile(r, 0.95):.2%} / worst {max(r):.2%}; above 2% on {sum(v > 0.02 for v in r)} of {len(r)}")
     print(f"configurations within 3% of the best: median {statistics.median(x['within_3pct'] for x in results)}")
     if args.out:
         command = f"benchmarks/oracle.py --landscapes {args.landscapes} --seed0 {args.seed0}"
