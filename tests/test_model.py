@@ -39,6 +39,21 @@ def test_memory_pressure_lets_the_model_expect_a_drop_near_the_edge():
     assert at12 < at8
 
 
+def test_a_slowdown_seen_where_one_stage_fills_memory_is_expected_where_another_fills_it_as_much():
+    """ZeRO-2 rises with the micro-batch until memory is 97% full at 16, where the allocator thrashes and
+    it falls by 40%. ZeRO-3 rose up to 24 (75% full); at 32 it would be 97% full. The pressure has its
+    own part of the kernel, the same whatever fills memory, so the model is sure that ZeRO-3 at 32 is
+    slower than its best measured value by a wide margin. With the pressure among the stage and sizes'
+    inputs, ZeRO-2's fall says little of ZeRO-3, and 32's interval reaches up to 24's value."""
+    fill = {2: {2: 0.3, 4: 0.4, 8: 0.6, 12: 0.8, 16: 0.97}, 3: {2: 0.2, 4: 0.25, 8: 0.35, 16: 0.55, 24: 0.75, 32: 0.97}}
+    zero2 = {2: 10.0, 4: 14.0, 8: 19.0, 12: 22.0, 16: 13.0}
+    zero3 = {2: 8.0, 4: 11.0, 8: 15.0, 16: 19.0, 24: 21.0}
+    points = [(p(m, False), v) for m, v in zero2.items()] + [(p(m, False, stage=3), v) for m, v in zero3.items()]
+    model = fitted(points, lambda q: fill[q["stage"]][q["micro_batch"]])
+    (mu,), (sd,) = model.predict([p(32, False, stage=3)])
+    assert math.exp(mu + 1.96 * sd) < 0.8 * zero3[24]
+
+
 def test_six_measurements_cannot_rule_out_a_stage_seen_once():
     """Six measurements, as a session's first on a generated landscape: ZeRO-1 at micro-batch 1, 2 and 4
     (rising), ZeRO-0, 2 and 3 once each at micro-batch 1, a little below ZeRO-1. ZeRO-3 at micro-batch 4 is

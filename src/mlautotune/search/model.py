@@ -5,9 +5,9 @@ the metric), fitted on every measurement of every stage, re-measurements include
 noisy observation. Inputs: the stage (one-hot), log2 of the micro-batch and of the gradient
 accumulation, each knob scaled to 0..1 over its values, and the memory pressure: -log of the free
 share of memory that fits.py predicts (`headroom`), so that near the limit, where a run's speed
-changes fast with the fill, configurations are far apart. The kernel (`kernel_of`) adds two ARD
-Matern 5/2 parts, the stage, sizes and pressure's and the knobs', a part where each knob value's
-own effect adds up (kernels.py), and white noise. With an earlier session's measurements (a warm
+changes fast with the fill, configurations are far apart. The kernel (`kernel_of`) adds three ARD
+Matern 5/2 parts, the stage and sizes', the pressure's alone and the knobs', a part where each knob
+value's own effect adds up (kernels.py), and white noise. With an earlier session's measurements (a warm
 start, warm.py), a last input column flags them, and one more part, the discrepancy, exists between
 them only. The hyperparameters are fitted by their posterior mode once five measurements exist
 (fixed, broad ones before): the marginal likelihood times a log-normal prior around the broad
@@ -181,12 +181,17 @@ class ThroughputModel:
         return np.hstack([X, flag])
 
     def kernel_of(self, width: int):
-        """Parts that add up (log throughput = what the stage, sizes and memory pressure give + what the
-        knobs give together + what each knob value gives on its own), so that a knob's effect measured at
-        one micro-batch carries to the others. The first two have their own amplitude and ARD length
-        scales; the stage enters both, so knobs may act differently by stage. The third (kernels.py) carries
-        each knob value's effect to knob sets far from every one that ran, where the second, a distance
-        between knob sets, forgets it. A column a part ignores has a fixed, huge length scale."""
+        """Parts that add up (log throughput = what the stage and sizes give + what the memory pressure
+        gives + what the knobs give together + what each knob value gives on its own), so that a knob's
+        effect measured at one micro-batch carries to the others, and a slowdown seen where memory is
+        nearly full carries to every configuration that fills it as much. The stage-and-sizes part and
+        the knobs' have their own amplitude and ARD length scales; the stage enters both, so knobs may
+        act differently by stage. The pressure's part looks at the pressure alone: how full memory is
+        slows a step the same way whatever fills it (with the pressure among the sizes' inputs, the
+        fit read a drop near the edge as the micro-batch's, and expected it a size below too). The
+        last (kernels.py) carries each knob value's effect to knob sets far from every one that ran,
+        where the knobs' Matern part, a distance between knob sets, forgets it. A column a part
+        ignores has a fixed, huge length scale."""
         from sklearn.gaussian_process.kernels import ConstantKernel, Matern
 
         from mlautotune.search.kernels import Both, KnobsAdd
@@ -198,17 +203,20 @@ class ThroughputModel:
         def matern(lengths, bounds):
             return Matern(lengths + [IGNORED] * flag, bounds + [off] * flag, nu=2.5)
 
-        sizes = ([1.0] * 4 + [2.0, 2.0] + [IGNORED] * knobs + [0.3], [(0.3, 30.0)] * 4 + [(0.3, 30.0)] * 2 + [off] * knobs + [(0.05, 30.0)])
-        main = matern(*sizes)
-        amplitude = ConstantKernel(self.prior_sd**2, (1e-4, 4.0))
-        kernel = amplitude * main
+        def part(variance):
+            return ConstantKernel(variance, (1e-4, 4.0))
+
+        stage_sizes = ([1.0] * 4 + [2.0, 2.0], [(0.3, 30.0)] * 6)
+        kernel = part(self.prior_sd**2) * matern(stage_sizes[0] + [IGNORED] * knobs + [IGNORED], stage_sizes[1] + [off] * knobs + [off])
+        kernel = kernel + part(self.prior_sd**2) * matern([IGNORED] * (6 + knobs) + [0.3], [off] * (6 + knobs) + [(0.05, 30.0)])
         if knobs:
             knob = matern([1.0] * 4 + [IGNORED] * 2 + [1.0] * knobs + [IGNORED],
                           [(0.3, 30.0)] * 4 + [off] * 2 + [(0.3, 30.0)] * knobs + [off])
             knob = ConstantKernel(max((self.prior_sd / 2) ** 2, KNOB_FLOOR**2), (KNOB_FLOOR**2, 1.0)) * knob
             kernel = kernel + knob + KnobsAdd(list(range(6, 6 + knobs)), EFFECT_SD**2)
         if flag:  # earlier sessions: their landscape is today's plus a smooth discrepancy over stages, sizes and memory pressure
-            kernel = kernel + ConstantKernel(self.discrepancy, (1e-5, 1.0)) * matern(*sizes) * Both(width - 1)
+            both = matern(stage_sizes[0] + [IGNORED] * knobs + [0.3], stage_sizes[1] + [off] * knobs + [(0.05, 30.0)])
+            kernel = kernel + ConstantKernel(self.discrepancy, (1e-5, 1.0)) * both * Both(width - 1)
         return kernel
 
     @property
