@@ -236,11 +236,15 @@ def test_the_stop_rule_counts_the_probes_own_noise_in_what_one_more_measurement_
 class Sloped(Flat):
     """Throughput rising with the micro-batch and falling with the stage."""
 
+    @staticmethod
+    def throughput(p):
+        """The noise-free throughput of these params."""
+        return 100 * p["micro_batch"] / (p["micro_batch"] + 6) * (1 - 0.05 * p["stage"])
+
     def __call__(self, exp):
         r = super().__call__(exp)
         if r.status == "ok":
-            p = exp.params
-            tp = 100 * p["micro_batch"] / (p["micro_batch"] + 6) * (1 - 0.05 * p["stage"])
+            tp = self.throughput(exp.params)
             r.metrics.update(throughput=tp, latency=1000.0 / tp)
         return r
 

@@ -97,12 +97,7 @@ def test_a_warm_start_on_other_hardware_profiles_first_and_still_needs_fewer_exp
     warm, _ = tune(warm_runner, earlier=earlier_of(cold, same_hardware=False))
     assert warm_runner.calls[:2] == fresh_runner.calls[:2], "other hardware: memory is not known, profiling runs as in a cold session"
     assert len(warm_runner.calls) < len(fresh_runner.calls)
-    assert _sloped(warm.best.params) >= _sloped(fresh.best.params) / 1.01, "within the stop rule's 1% of what a cold session declares"
-
-
-def _sloped(params):
-    """Sloped's noise-free throughput."""
-    return params["micro_batch"] / (params["micro_batch"] + 6) * (1 - 0.05 * params["stage"])
+    assert Sloped.throughput(warm.best.params) >= Sloped.throughput(fresh.best.params) / 1.01, "within the stop rule's 1% of what a cold session declares"
 
 
 def test_a_new_run_of_another_model_drops_the_warm_start():
