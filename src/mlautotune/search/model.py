@@ -35,6 +35,7 @@ HEADROOM_FLOOR = 0.05  # the free share's floor: fits.py's predicted fill is not
 KNOB_FLOOR = 0.2  # the knobs' part keeps at least this sd (log units): a few runs cannot say that knobs do not matter;
 # 0.2 rather than 0.1 reaches 99% on more generated landscapes, held-out seeds too (benchmarks/generator.md)
 IGNORED = 1e5  # the length scale of a column a kernel part does not look at
+SCALES = (0.3, 30.0)  # the bounds of a length scale that is fitted
 EFFECT_SD = 0.05  # prior sd of each knob value's own effect (log units), in the part where knob effects add up
 PRIOR_LOG_SD = 1.0  # the hyperparameters' prior: log-normal around kernel_of's values, this wide (a factor of e)
 
@@ -196,27 +197,26 @@ class ThroughputModel:
 
         from mlautotune.search.kernels import Both, KnobsAdd
 
-        flag = 1 if self.flagged else 0  # the earlier-observation column, last
-        knobs = width - 7 - flag
-        off = (IGNORED, IGNORED * (1 + 1e-6))
+        knobs = width - 7 - (1 if self.flagged else 0)  # the columns: stage one-hot, sizes, knobs, pressure, [earlier flag]
+        stage = {i: (1.0, SCALES) for i in range(4)}
+        stage_sizes = {**stage, 4: (2.0, SCALES), 5: (2.0, SCALES)}
+        knob_columns = {i: (1.0, SCALES) for i in range(6, 6 + knobs)}
+        pressure = {6 + knobs: (0.3, (0.05, 30.0))}
 
-        def matern(lengths, bounds):
-            return Matern(lengths + [IGNORED] * flag, bounds + [off] * flag, nu=2.5)
+        def matern(looks: Dict[int, Tuple[float, Tuple[float, float]]]):
+            """A Matern 5/2 over these columns ({column: (length scale, bounds)}); every other one is ignored."""
+            ignored = (IGNORED, (IGNORED, IGNORED * (1 + 1e-6)))
+            return Matern([looks.get(i, ignored)[0] for i in range(width)], [looks.get(i, ignored)[1] for i in range(width)], nu=2.5)
 
         def part(variance):
             return ConstantKernel(variance, (1e-4, 4.0))
 
-        stage_sizes = ([1.0] * 4 + [2.0, 2.0], [(0.3, 30.0)] * 6)
-        kernel = part(self.prior_sd**2) * matern(stage_sizes[0] + [IGNORED] * knobs + [IGNORED], stage_sizes[1] + [off] * knobs + [off])
-        kernel = kernel + part(self.prior_sd**2) * matern([IGNORED] * (6 + knobs) + [0.3], [off] * (6 + knobs) + [(0.05, 30.0)])
+        kernel = part(self.prior_sd**2) * matern(stage_sizes) + part(self.prior_sd**2) * matern(pressure)
         if knobs:
-            knob = matern([1.0] * 4 + [IGNORED] * 2 + [1.0] * knobs + [IGNORED],
-                          [(0.3, 30.0)] * 4 + [off] * 2 + [(0.3, 30.0)] * knobs + [off])
-            knob = ConstantKernel(max((self.prior_sd / 2) ** 2, KNOB_FLOOR**2), (KNOB_FLOOR**2, 1.0)) * knob
-            kernel = kernel + knob + KnobsAdd(list(range(6, 6 + knobs)), EFFECT_SD**2)
-        if flag:  # earlier sessions: their landscape is today's plus a smooth discrepancy over stages, sizes and memory pressure
-            both = matern(stage_sizes[0] + [IGNORED] * knobs + [0.3], stage_sizes[1] + [off] * knobs + [(0.05, 30.0)])
-            kernel = kernel + ConstantKernel(self.discrepancy, (1e-5, 1.0)) * both * Both(width - 1)
+            knob = ConstantKernel(max((self.prior_sd / 2) ** 2, KNOB_FLOOR**2), (KNOB_FLOOR**2, 1.0)) * matern({**stage, **knob_columns})
+            kernel = kernel + knob + KnobsAdd(list(knob_columns), EFFECT_SD**2)
+        if self.flagged:  # earlier sessions: their landscape is today's plus a smooth discrepancy over stages, sizes and memory pressure
+            kernel = kernel + ConstantKernel(self.discrepancy, (1e-5, 1.0)) * matern({**stage_sizes, **pressure}) * Both(width - 1)
         return kernel
 
     @property
