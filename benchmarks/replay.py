@@ -99,14 +99,15 @@ def replay_session(land: Dict[str, Any], seed: int, earlier: Any = None):
     return runner, dict(best.params) if best else None, list(tuner.ledger.order)
 
 
-def earlier_of(runs: List[Any], session: str, same_hardware: bool, optimum: Optional[Dict[str, Any]] = None) -> Any:
+def earlier_of(runs: List[Any], session: str, same_hardware: bool, optimum: Optional[Dict[str, Any]] = None, same_ranks: bool = False) -> Any:
     """The product's warm start from one earlier session's measured runs (replay_session's), numbered
-    -1, -2, ... as earlier runs are; `optimum`: the params that session declared."""
+    -1, -2, ... as earlier runs are; `optimum`: the params that session declared; `same_ranks`: the
+    same accelerator and world size, another memory size."""
     from mlautotune.search.warm import Earlier
 
     optima = [m.result.name for m in runs if optimum is not None and m.params == optimum][:1]
     return Earlier(sessions=[session], runs=[replace(m, trial_number=-1 - i) for i, m in enumerate(runs)], same_hardware=same_hardware,
-                   optima=optima)
+                   same_ranks=same_hardware or same_ranks, optima=optima)
 
 
 def replay(land: Dict[str, Any], strategy: str, seed: int, workers: int = 1):

@@ -98,7 +98,7 @@ def session(land: Dict[str, Any], seed: int, start: str, earlier: Any = None) ->
     runner, found, runs = replay.replay_session(land, seed, earlier)
     run = {"landscape": land["name"], "strategy": "model_based", "start": start, "seed": seed, "workers": 1, "log": runner.log,
            "found": runner.true_value(found)}
-    return run, lambda same_hardware: replay.earlier_of(runs, land["name"], same_hardware, found)
+    return run, lambda kind: replay.earlier_of(runs, land["name"], kind == "speed", found, same_ranks=kind == "memory")
 
 
 def run_pairs(seed: int, a: Dict[str, Any], bs: List[Dict[str, Any]], trace: bool = False) -> Dict[str, Any]:
@@ -111,7 +111,7 @@ def run_pairs(seed: int, a: Dict[str, Any], bs: List[Dict[str, Any]], trace: boo
     for b in bs:
         kind = b["traits"]["perturbed"]["kind"]
         best = generator.best(b)
-        warm, _ = session(b, seed, "warm", warm_start(kind == "speed"))
+        warm, _ = session(b, seed, "warm", warm_start(kind))
         cold, _ = session(b, seed, "cold")
         records = replay.score([cold, warm], best["value"])
         for r, start in zip(records, ("cold", "warm")):

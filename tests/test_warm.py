@@ -71,7 +71,10 @@ def test_find_earlier_matches_the_fingerprint_prefers_the_same_hardware_and_only
     assert snapshot(storage) == before  # read-only
 
     other = find_earlier(storage, "me", "k", {**HARDWARE, "world_size": 4})  # none on this hardware: the others are used
-    assert set(other.sessions) == {"old", "elsewhere"} and not other.same_hardware
+    assert set(other.sessions) == {"old", "elsewhere"} and not other.same_hardware and not other.same_ranks
+    smaller = find_earlier(storage, "me", "k", {**HARDWARE, "memory_limit_per_rank": 2**30})  # another memory size only: peaks hold
+    assert not smaller.same_hardware and smaller.same_ranks
+    assert earlier.same_ranks
     assert find_earlier(storage, "me", "nothing-like-it", HARDWARE) is None
     broken = study(storage, "broken", "k")  # the newest: a result that is no result
     broken.add_trial(create_trial(params={"stage": 0, "micro_batch": 1, "gas": 1}, distributions=DISTS, value=1.0, user_attrs={"result": "garbage"}))

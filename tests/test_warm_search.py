@@ -13,7 +13,7 @@ from mlautotune.search.warm import Earlier, Warm
 from mlautotune.inputs.space import MicroBatchRule
 
 from mlautotune.search.search import Search
-from test_search_v3 import NUM_PARAMS, Sloped, ledger_with, ok, plan_of, settings
+from test_search_v3 import GiB, NUM_PARAMS, Sloped, ledger_with, ok, plan_of, settings
 
 PLAN = dict(stages=(0, 1, 2, 3), mbs=MicroBatchRule("min", (1,)))
 
@@ -96,6 +96,39 @@ def test_a_warm_start_on_other_hardware_profiles_first_and_still_needs_fewer_exp
     warm_runner = Scaled(factor=1.4)
     warm, _ = tune(warm_runner, earlier=earlier_of(cold, same_hardware=False))
     assert warm_runner.calls[:2] == fresh_runner.calls[:2], "other hardware: memory is not known, profiling runs as in a cold session"
+    assert len(warm_runner.calls) < len(fresh_runner.calls)
+    assert Sloped.throughput(warm.best.params) >= Sloped.throughput(fresh.best.params) / 1.01, "within the stop rule's 1% of what a cold session declares"
+
+
+class Smaller(Scaled):
+    """The same landscape on a device with less memory: a run whose peak passes `limit` runs out of memory."""
+
+    def __init__(self, limit):
+        super().__init__()
+        self.limit = limit
+
+    def __call__(self, exp):
+        r = super().__call__(exp)
+        peak = r.metrics.get("peak_memory_bytes", 0)
+        return replace(r, status="oom", metrics={"peak_memory_bytes": peak}, reason="oom", returncode=86) if r.status == "ok" and peak > self.limit else r
+
+
+def test_a_warm_start_on_another_memory_size_takes_the_earlier_peaks_that_fit_for_profiling():
+    """The same accelerator and world size, 3 GiB per rank instead of 4: a run's peak is the same bytes,
+    so the earlier runs that peaked under 3 GiB stand in for profiling, and the first experiment is the
+    best that the earlier throughputs and peaks predict to fit. Their OOMs, and runs above 3 GiB, say
+    nothing of today's limit and are left out."""
+    limit = 3 * GiB
+    cold, _ = tune(Scaled())
+    fresh_runner = Smaller(limit)
+    fresh, _ = tune(fresh_runner, memory_limit_bytes=limit)
+    warm_runner = Smaller(limit)
+    earlier = replace(earlier_of(cold, same_hardware=False), same_ranks=True)
+    warm, _ = tune(warm_runner, earlier=earlier, memory_limit_bytes=limit)
+    assert fresh_runner.calls[0]["micro_batch"] == 1, "a cold session profiles at the smallest micro-batch"
+    first = warm_runner.calls[0]
+    assert first["micro_batch"] > 4 and first not in fresh_runner.calls[:2], "no profiling: the earlier peaks are today's"
+    assert Scaled.throughput(first) >= max(Scaled.throughput(p) for p in fresh_runner.calls[:2])
     assert len(warm_runner.calls) < len(fresh_runner.calls)
     assert Sloped.throughput(warm.best.params) >= Sloped.throughput(fresh.best.params) / 1.01, "within the stop rule's 1% of what a cold session declares"
 

@@ -188,8 +188,13 @@ def warm_start_text(earlier: Optional[Earlier], session: Session, hardware: Dict
         return f"warm start: no earlier session of this model in {redact_text(session.storage)}{mlflow}"
     sessions = ", ".join(f"{name} ({earlier.about.get(name, '')})" for name in earlier.sessions)
     where = f" in the MLflow store {earlier.store}" if earlier.store else ""
-    how = ("same hardware: the earlier optimum and its near-ties are measured first" if earlier.same_hardware else
-           f"other hardware (this session: {hardware_text(hardware)}): their measurements are the search's prior")
+    if earlier.same_hardware:
+        how = "same hardware: the earlier optimum and its near-ties are measured first"
+    elif earlier.same_ranks:
+        how = (f"another memory size (this session: {hardware_text(hardware)}): the earlier runs that peaked under this limit stand in "
+               "for profiling, and their measurements are the search's prior")
+    else:
+        how = f"other hardware (this session: {hardware_text(hardware)}): their measurements are the search's prior"
     return f"warm start: from {sessions}{where}; {how}"
 
 

@@ -108,13 +108,15 @@ def choose(candidates: List[Candidate], hardware: Dict[str, Any], note: Callable
            store: Optional[str] = None) -> Optional[Earlier]:
     """The newest MAX_SESSIONS candidates that measured something, their experiments as measurements
     numbered -1, -2, ...; None when there are none. Sessions on the same hardware (their `hardware`
-    equals `hardware`) are preferred; only when there are none are those on other hardware used. A
+    equals `hardware`) are preferred, then those that differ in memory size only (the same accelerator
+    and world size: their peaks hold here); only when there are none are those on other hardware used. A
     candidate that cannot be read is skipped with a note. `store`: where they were found, when not in
     the study storage (Earlier.store)."""
     matching = sorted(candidates, key=lambda c: c.started or datetime.min, reverse=True)
     same = [c for c in matching if c.hardware == hardware]
+    ranks = [c for c in matching if _ranks(c.hardware) == _ranks(hardware)]  # another memory size only: their peaks hold
     sessions, runs, about, optima, num_params = [], [], {}, [], None
-    for c in same or matching:
+    for c in same or ranks or matching:
         if len(sessions) == MAX_SESSIONS:
             break
         try:
@@ -133,7 +135,13 @@ def choose(candidates: List[Candidate], hardware: Dict[str, Any], note: Callable
         num_params = num_params or c.num_params or _num_params(measured)
     if not sessions:
         return None
-    return Earlier(sessions, runs, same_hardware=bool(same), num_params=num_params, about=about, store=store, optima=optima)
+    return Earlier(sessions, runs, same_hardware=bool(same), same_ranks=bool(same or ranks), num_params=num_params, about=about, store=store,
+                   optima=optima)
+
+
+def _ranks(hardware: Dict[str, Any]) -> Dict[str, Any]:
+    """The hardware less its memory sizes: what a run's peak depends on (the accelerator, the world size)."""
+    return {k: v for k, v in hardware.items() if k not in ("device_memory_bytes", "memory_limit_per_rank")}
 
 
 def _num_params(measured: List[Measured]) -> Optional[int]:

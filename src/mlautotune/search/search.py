@@ -71,9 +71,9 @@ class Search(StrategyBase):
 
     # ---- the model and the declared optimum -----------------------------------------------
     def memory_runs(self, runs: List[Measured]) -> List[Measured]:
-        """The runs whose memory facts hold in this session: with a warm start on the same hardware,
-        the earlier sessions' too."""
-        return self.warm.memory_runs(runs) if self.warm is not None else runs
+        """The runs whose memory facts hold in this session: with a warm start, the earlier sessions'
+        that hold here too (warm.py)."""
+        return self.warm.memory_runs(runs, self.s.memory_limit_bytes) if self.warm is not None else runs
 
     def memory_model(self, runs: List[Measured]):
         """The memory model from these runs (cached while they do not change)."""

@@ -7,6 +7,10 @@ size and memory limit per rank) as this session.
 How the search uses it (search.py):
 - Same hardware: the earlier runs' memory facts (peaks, OOMs, model info) are this session's too, so
   no profiling is needed; the first experiment re-measures the earlier optimum.
+- The same accelerator and world size with another memory per device (or memory limit): a run's
+  peak is the same bytes whatever the device holds, so the earlier runs whose measured peak fits
+  under today's limit stand in for profiling: they fit here too, and they give the memory model its
+  points. Their OOMs, and runs that would not fit, are left out (they say nothing of today's limit).
 - Other hardware: profiling runs as in a cold session; the earlier memory facts are not used.
 - Either way the earlier throughputs enter the throughput model as observations of the earlier
   landscape: today's, offset by one factor (learnt from the configurations measured in both
@@ -42,6 +46,7 @@ class Earlier:
     sessions: List[str]  # their names, newest first
     runs: List[Measured]  # their experiments; trial_number < 0, so they never collide with this study's
     same_hardware: bool
+    same_ranks: bool = False  # the same accelerator and world size (the memory per device may differ): peaks hold
     num_params: Optional[int] = None  # the model's parameter count, when an earlier run reported it
     about: Dict[str, str] = field(default_factory=dict)  # session name -> a few words (when, experiments, optimum)
     store: Optional[str] = None  # where they were found when not in the study storage: the MLflow store's URI, redacted
@@ -71,11 +76,16 @@ class Warm:
                 return int(n)
         return None
 
-    def memory_runs(self, runs: List[Measured]) -> List[Measured]:
-        """The runs whose memory facts hold here: the earlier ones too on the same hardware."""
-        if not self.same_hardware or any(m.trial_number < 0 for m in runs):
+    def memory_runs(self, runs: List[Measured], limit: Optional[int]) -> List[Measured]:
+        """The runs whose memory facts hold here: the earlier ones too on the same hardware; with the
+        same accelerator and world size, those that ran with a measured peak under today's `limit`."""
+        if any(m.trial_number < 0 for m in runs):
             return runs
-        return self.earlier.runs + list(runs)
+        if self.same_hardware:
+            return self.earlier.runs + list(runs)
+        if self.earlier.same_ranks and limit:
+            return [m for m in self.earlier.runs if m.ok and 0 < m.result.metrics.get("peak_memory_bytes", 0) <= limit] + list(runs)
+        return runs
 
     def offset(self, runs: List[Measured]) -> Tuple[float, float, int]:
         """(c, tau^2, pairs): today's log score = an earlier one + c, give or take tau. From the
