@@ -151,16 +151,18 @@ def test_a_pending_trial_predicted_above_the_best_is_what_a_new_candidate_must_b
 
 # ---- the stop rule, in a real tuner loop ---------------------------------------------------------------
 class Flat:
-    """Every configuration the same throughput (within +-0.5%), memory growing with the micro-batch."""
+    """Every configuration the same throughput (within +-0.5%), memory growing with the micro-batch; a
+    run whose peak passes `limit` runs out of memory."""
 
-    def __init__(self, slope=None):
+    def __init__(self, slope=None, limit=4 * GiB):
         self.calls = []
+        self.limit = limit
 
     def __call__(self, exp: Experiment) -> Result:
         p = exp.params
         self.calls.append(dict(p))
         peak = int(1 * GiB + p["micro_batch"] * 0.05 * GiB + (3 - p["stage"]) * 0.2 * GiB)
-        if peak > 4 * GiB:
+        if peak > self.limit:
             return Result(exp.name, "oom", {"peak_memory_bytes": peak}, "oom", 40.0, "", 86)
         wobble = 1 + 0.005 * math.sin(7 * len(self.calls))
         return ok(100.0 * wobble, mbs=p["micro_batch"], interval=0.01, peak=peak)

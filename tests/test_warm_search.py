@@ -19,10 +19,11 @@ PLAN = dict(stages=(0, 1, 2, 3), mbs=MicroBatchRule("min", (1,)))
 
 
 class Scaled(Sloped):
-    """The same landscape, every throughput times `factor` (another driver, a changed argument)."""
+    """The same landscape, every throughput times `factor` (another driver, a changed argument); with
+    `limit`, on a device with that much memory."""
 
-    def __init__(self, factor=1.0, num_params=NUM_PARAMS):
-        super().__init__()
+    def __init__(self, factor=1.0, num_params=NUM_PARAMS, limit=4 * GiB):
+        super().__init__(limit=limit)
         self.factor, self.num_params = factor, num_params
 
     def __call__(self, exp):
@@ -100,19 +101,6 @@ def test_a_warm_start_on_other_hardware_profiles_first_and_still_needs_fewer_exp
     assert Sloped.throughput(warm.best.params) >= Sloped.throughput(fresh.best.params) / 1.01, "within the stop rule's 1% of what a cold session declares"
 
 
-class Smaller(Scaled):
-    """The same landscape on a device with less memory: a run whose peak passes `limit` runs out of memory."""
-
-    def __init__(self, limit):
-        super().__init__()
-        self.limit = limit
-
-    def __call__(self, exp):
-        r = super().__call__(exp)
-        peak = r.metrics.get("peak_memory_bytes", 0)
-        return replace(r, status="oom", metrics={"peak_memory_bytes": peak}, reason="oom", returncode=86) if r.status == "ok" and peak > self.limit else r
-
-
 def test_a_warm_start_on_another_memory_size_takes_the_earlier_peaks_that_fit_for_profiling():
     """The same accelerator and world size, 3 GiB per rank instead of 4: a run's peak is the same bytes,
     so the earlier runs that peaked under 3 GiB stand in for profiling, and the first experiment is the
@@ -120,9 +108,9 @@ def test_a_warm_start_on_another_memory_size_takes_the_earlier_peaks_that_fit_fo
     nothing of today's limit and are left out."""
     limit = 3 * GiB
     cold, _ = tune(Scaled())
-    fresh_runner = Smaller(limit)
+    fresh_runner = Scaled(limit=limit)
     fresh, _ = tune(fresh_runner, memory_limit_bytes=limit)
-    warm_runner = Smaller(limit)
+    warm_runner = Scaled(limit=limit)
     earlier = replace(earlier_of(cold, same_hardware=False), same_ranks=True)
     warm, _ = tune(warm_runner, earlier=earlier, memory_limit_bytes=limit)
     assert fresh_runner.calls[0]["micro_batch"] == 1, "a cold session profiles at the smallest micro-batch"
