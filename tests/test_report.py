@@ -136,3 +136,27 @@ def test_result_files_are_readable_by_the_team(tmp_path):
     finally:
         os.umask(old)
     assert path.stat().st_mode & 0o777 == 0o644
+
+
+def test_the_summary_names_how_a_warm_start_s_hardware_compares(tmp_path):
+    """A warm start from a session on another memory size says so, not "other hardware": its peaks
+    stood in for profiling, which other hardware's never do. A study recorded before the relation
+    was kept still reads as same or other hardware."""
+    import optuna
+
+    a = measured("z0_gas1_tmbspg4", 0, 4, 100.0)
+    outcome = Outcome(best=a, stage_best={0: a}, measured=[a], experiments=1)
+    def study_with(**attrs):
+        study = optuna.create_study(direction="maximize")
+        for k, v in attrs.items():
+            study.set_user_attr(k, v)
+        return study
+
+    lines = {}
+    for name, warm in [("memory", {"sessions": ["a"], "same_hardware": False, "relation": "another memory size"}),
+                       ("older", {"sessions": ["a"], "same_hardware": False})]:
+        write_reports(tmp_path / name, outcome, stages=[0], metric="throughput", status="complete", wall_time_s=30.0, session="s",
+                      optimal_ds_config=None, optimal_cmd=None, study=study_with(warm_start=warm))
+        lines[name] = next(x for x in (tmp_path / name / "summary.txt").read_text().splitlines() if x.startswith("Warm start"))
+    assert lines == {"memory": "Warm start: from the earlier session a of the same model (another memory size).",
+                     "older": "Warm start: from the earlier session a of the same model (other hardware)."}

@@ -75,6 +75,7 @@ def test_find_earlier_matches_the_fingerprint_prefers_the_same_hardware_and_only
     smaller = find_earlier(storage, "me", "k", {**HARDWARE, "memory_limit_per_rank": 2**30})  # another memory size only: peaks hold
     assert not smaller.same_hardware and smaller.same_ranks
     assert earlier.same_ranks
+    assert (earlier.relation, smaller.relation, other.relation) == ("same hardware", "another memory size", "other hardware")
     assert find_earlier(storage, "me", "nothing-like-it", HARDWARE) is None
     broken = study(storage, "broken", "k")  # the newest: a result that is no result
     broken.add_trial(create_trial(params={"stage": 0, "micro_batch": 1, "gas": 1}, distributions=DISTS, value=1.0, user_attrs={"result": "garbage"}))
@@ -246,7 +247,8 @@ def test_a_session_in_a_fresh_storage_starts_from_the_mlflow_store_and_resumes_f
     session = stand_in(storage, ["--seq_len", "32"], tracking_uri=uri)
     out = io.StringIO()
     earlier = warm_start(session, me, Console("throughput", 5, stream=out))
-    assert earlier.sessions == ["first"] and me.user_attrs["warm_start"] == {"sessions": ["first"], "same_hardware": True, "store": "mlflow"}
+    assert earlier.sessions == ["first"] and me.user_attrs["warm_start"] == {"sessions": ["first"], "same_hardware": True, "relation": "same hardware",
+                                                                   "store": "mlflow"}
     assert f"warm start: from first (" in out.getvalue() and f") in the MLflow store {uri}; same hardware" in out.getvalue()
     assert warm_tags(me)["warm_start"] == "first" and json.loads(warm_tags(me)["hardware"]) == HARDWARE
 

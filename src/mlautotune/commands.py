@@ -144,7 +144,7 @@ def warm_start(session: Session, study, console: Console) -> Optional[Earlier]:
     else:
         earlier = earlier_sessions(session, key, hardware, note=note, parent_run=study.user_attrs.get(PARENT_KEY))
         study.set_user_attr("warm_start", {"sessions": earlier.sessions, "same_hardware": earlier.same_hardware,
-                                           **({"store": "mlflow"} if earlier.store else {})} if earlier else None)
+                                           "relation": earlier.relation, **({"store": "mlflow"} if earlier.store else {})} if earlier else None)
     note(warm_start_text(earlier, session, hardware))
     return earlier
 

@@ -52,6 +52,11 @@ class Earlier:
     store: Optional[str] = None  # where they were found when not in the study storage: the MLflow store's URI, redacted
     optima: List[str] = field(default_factory=list)  # the optimum each declared (its experiment's name), newest first
 
+    @property
+    def relation(self) -> str:
+        """How their hardware compares with this session's, in the words of the console and summary.txt."""
+        return "same hardware" if self.same_hardware else "another memory size" if self.same_ranks else "other hardware"
+
 
 class Warm:
     """The search's view of `Earlier`: which runs count for memory, the earlier throughputs as

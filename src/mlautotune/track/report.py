@@ -205,7 +205,8 @@ def write_reports(
     warm = (getattr(study, "user_attrs", None) or {}).get("warm_start")
     if warm:
         lines.append(f"Warm start: from the earlier session{'s' * (len(warm['sessions']) != 1)} {', '.join(warm['sessions'])} of the same model"
-                     f" ({'same' if warm.get('same_hardware') else 'other'} hardware{'; found in the MLflow store' if warm.get('store') else ''}).")
+                     f" ({warm.get('relation') or ('same' if warm.get('same_hardware') else 'other') + ' hardware'}"
+                     f"{'; found in the MLflow store' if warm.get('store') else ''}).")
     if best is not None:
         runs = 1 + len(best.repeats)
         lines.append(f"Optimum: {best.result.name}  {metric}={best.final_value:.6g} (+-{best.interval:.1%}, 95% interval, over {runs} measurement{'s' if runs > 1 else ''})")
