@@ -99,15 +99,21 @@ def replay_session(land: Dict[str, Any], seed: int, earlier: Any = None):
     return runner, dict(best.params) if best else None, list(tuner.ledger.order)
 
 
-def earlier_of(runs: List[Any], session: str, same_hardware: bool, optimum: Optional[Dict[str, Any]] = None, same_ranks: bool = False) -> Any:
+def earlier_of(runs: List[Any], session: str, same_hardware: bool, optimum: Optional[Dict[str, Any]] = None, same_ranks: bool = False,
+               world_size: Optional[int] = None) -> Any:
     """The product's warm start from one earlier session's measured runs (replay_session's), numbered
     -1, -2, ... as earlier runs are; `optimum`: the params that session declared; `same_ranks`: the
-    same accelerator and world size, another memory size."""
+    same accelerator and world size, another memory size; `world_size`: that session's, recorded on
+    its successful runs as the probe records it. Every landscape's device is a GPU: the same accelerator."""
     from mlautotune.search.warm import Earlier
 
+    def numbered(i: int, m: Any) -> Any:
+        metrics = {**m.result.metrics, "world_size": world_size} if m.ok and world_size else m.result.metrics
+        return replace(m, trial_number=-1 - i, result=replace(m.result, metrics=metrics))
+
     optima = [m.result.name for m in runs if optimum is not None and m.params == optimum][:1]
-    return Earlier(sessions=[session], runs=[replace(m, trial_number=-1 - i) for i, m in enumerate(runs)], same_hardware=same_hardware,
-                   same_ranks=same_hardware or same_ranks, optima=optima)
+    return Earlier(sessions=[session], runs=[numbered(i, m) for i, m in enumerate(runs)], same_hardware=same_hardware,
+                   same_ranks=same_hardware or same_ranks, optima=optima, same_accelerator=True)
 
 
 def replay(land: Dict[str, Any], strategy: str, seed: int, workers: int = 1):

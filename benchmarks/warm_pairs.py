@@ -98,7 +98,8 @@ def session(land: Dict[str, Any], seed: int, start: str, earlier: Any = None) ->
     runner, found, runs = replay.replay_session(land, seed, earlier)
     run = {"landscape": land["name"], "strategy": "model_based", "start": start, "seed": seed, "workers": 1, "log": runner.log,
            "found": runner.true_value(found)}
-    return run, lambda kind: replay.earlier_of(runs, land["name"], kind == "speed", found, same_ranks=kind == "memory")
+    return run, lambda kind: replay.earlier_of(runs, land["name"], kind == "speed", found, same_ranks=kind == "memory",
+                                                world_size=land["world_size"])
 
 
 def run_pairs(seed: int, a: Dict[str, Any], bs: List[Dict[str, Any]], trace: bool = False) -> Dict[str, Any]:

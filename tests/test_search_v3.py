@@ -31,7 +31,8 @@ def plan_of(stages=(0, 1), mbs=MicroBatchRule("fixed", (4,)), knobs=None, fast=T
 
 
 def settings(tuner="model_based", **kw):
-    return SearchSettings(tuner_type=tuner, memory_limit_bytes=kw.pop("memory_limit_bytes", 4 * GiB), world_size=2, num_trials=kw.pop("num_trials", 50), **kw)
+    return SearchSettings(tuner_type=tuner, memory_limit_bytes=kw.pop("memory_limit_bytes", 4 * GiB), world_size=kw.pop("world_size", 2),
+                          num_trials=kw.pop("num_trials", 50), **kw)
 
 
 def ok(throughput, mbs=4, interval=0.01, peak=1 * GiB):

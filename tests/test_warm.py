@@ -75,7 +75,12 @@ def test_find_earlier_matches_the_fingerprint_prefers_the_same_hardware_and_only
     smaller = find_earlier(storage, "me", "k", {**HARDWARE, "memory_limit_per_rank": 2**30})  # another memory size only: peaks hold
     assert not smaller.same_hardware and smaller.same_ranks
     assert earlier.same_ranks
-    assert (earlier.relation, smaller.relation, other.relation) == ("same hardware", "another memory size", "other hardware")
+    elsewhere = find_earlier(storage, "me", "k", {**HARDWARE, "accelerator": "cuda"})  # another accelerator: its peaks say nothing here
+    assert not elsewhere.same_ranks and not elsewhere.same_accelerator and other.same_accelerator
+    assert [(earlier.relation, smaller.relation, other.relation, elsewhere.relation)] == [
+        ("same hardware", "another memory size", "another world size", "other hardware")]
+    # each run carries the world size it ran at (the probe records it; here from the session's hardware): its peak moves from there
+    assert sorted({m.result.metrics["world_size"] for m in other.runs if m.ok}) == [2, 8]
     assert find_earlier(storage, "me", "nothing-like-it", HARDWARE) is None
     broken = study(storage, "broken", "k")  # the newest: a result that is no result
     broken.add_trial(create_trial(params={"stage": 0, "micro_batch": 1, "gas": 1}, distributions=DISTS, value=1.0, user_attrs={"result": "garbage"}))

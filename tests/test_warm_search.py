@@ -6,10 +6,10 @@ from dataclasses import replace
 
 import optuna
 
-from mlautotune.run.experiment import Experiment, Resources
+from mlautotune.run.experiment import Experiment, Resources, Result
 from mlautotune.search import Tuner
 from mlautotune.search.ledger import Measured
-from mlautotune.search.warm import Earlier, Warm
+from mlautotune.search.warm import Earlier, Today, Warm
 from mlautotune.inputs.space import MicroBatchRule
 
 from mlautotune.search.search import Search
@@ -119,6 +119,68 @@ def test_a_warm_start_on_another_memory_size_takes_the_earlier_peaks_that_fit_fo
     assert Scaled.throughput(first) >= max(Scaled.throughput(p) for p in fresh_runner.calls[:2])
     assert len(warm_runner.calls) < len(fresh_runner.calls)
     assert Sloped.throughput(warm.best.params) >= Sloped.throughput(fresh.best.params) / 1.01, "within the stop rule's 1% of what a cold session declares"
+
+
+class Ranks(Sloped):
+    """Sloped's throughput per rank, on `world_size` ranks; each rank's peak is 1 GiB, 0.05 GiB per
+    sample and its share of the model states (fp32 weights and gradients, AdamW's two moments: 16
+    bytes a parameter, ZeRO-partitioned by stage), as the probe reports it with the world size."""
+
+    def __init__(self, world_size, limit=2 * GiB):
+        super().__init__(limit=limit)
+        self.world_size = world_size
+
+    def states(self, stage):
+        weights, grads, moments = (4 * NUM_PARAMS / (self.world_size if stage >= s else 1) for s in (3, 2, 1))
+        return weights + grads + 2 * moments
+
+    def __call__(self, exp):
+        p = exp.params
+        self.calls.append(dict(p))
+        peak = int(1 * GiB + 0.05 * GiB * p["micro_batch"] + self.states(p["stage"]))
+        if peak > self.limit:
+            return Result(exp.name, "oom", {"peak_memory_bytes": peak}, "oom", 40.0, "", 86)
+        tp = self.throughput(p) * self.world_size
+        r = ok(tp, mbs=p["micro_batch"], peak=peak)
+        r.metrics.update(latency=1000.0 / tp, world_size=self.world_size)
+        return r
+
+
+def test_a_warm_start_on_another_world_size_moves_the_earlier_peaks_by_zero_s_states():
+    """An earlier session on 8 ranks, today 2, the same accelerator and 2 GiB per rank: the model
+    states per rank of ZeRO 1-3 grow fourfold, so a peak measured on 8 ranks would not fit here. Moved
+    by the states' difference, the earlier runs that then fit stand in for profiling: the first
+    experiment is the best they predict to fit, and it fits. The throughput, 4 times lower on a
+    quarter of the ranks, is scaled by the world sizes before a configuration is measured in both."""
+    cold, _ = tune(Ranks(8), world_size=8, memory_limit_bytes=2 * GiB)
+    fresh_runner = Ranks(2)
+    fresh, _ = tune(fresh_runner, world_size=2, memory_limit_bytes=2 * GiB)
+    warm_runner = Ranks(2)
+    earlier = replace(earlier_of(cold, same_hardware=False), same_accelerator=True)
+    warm, _ = tune(warm_runner, earlier=earlier, world_size=2, memory_limit_bytes=2 * GiB)
+    assert fresh_runner.calls[0]["micro_batch"] == 1, "a cold session profiles at the smallest micro-batch"
+    first = warm_runner.calls[0]
+    assert first["micro_batch"] > 4 and first not in fresh_runner.calls[:2], "no profiling: the moved peaks are today's"
+    assert warm_runner.calls and Ranks(2)(Experiment("x", {}, "w", [], Resources(), first)).status == "ok", "the moved peaks fit"
+    moved = [m.result.metrics["peak_memory_bytes"] + Ranks(2).states(m.params["stage"]) - Ranks(8).states(m.params["stage"]) for m in earlier.runs if m.ok]
+    raw = [m.result.metrics["peak_memory_bytes"] for m in earlier.runs if m.ok]
+    assert any(r <= 2 * GiB < x for r, x in zip(raw, moved)), "some earlier runs fit only on 8 ranks: taken as they are, they would mislead"
+    assert len(warm_runner.calls) < len(fresh_runner.calls)
+    assert Sloped.throughput(warm.best.params) >= Sloped.throughput(fresh.best.params) / 1.01, "within the stop rule's 1% of what a cold session declares"
+
+
+def test_the_throughput_of_another_world_size_is_scaled_and_paired_without_gas():
+    """8 ranks then, 2 now, a fixed global batch: gas follows the world size, so the configuration of
+    the same stage, micro-batch and knobs is the pair; the samples per second scale with the ranks."""
+    then = Earlier(["first"], [_measured(-1, {"stage": 1, "micro_batch": 4, "gas": 1}, 400.0)], same_hardware=False, same_accelerator=True)
+    then.runs[0].result.metrics["world_size"] = 8
+    today = Today(world_size=2, ds_config={}, mp_size=1, device="cuda", scales=True)
+    warm = Warm(then, lambda v: v, lambda m: (m.single_interval / 1.96) ** 2, today)
+    assert math.isclose(warm.observations([])[0].log_score, math.log(100.0)), "400 samples/s on 8 ranks: 100 on 2, before any pair"
+    c, _, pairs = warm.offset([_measured(0, {"stage": 1, "micro_batch": 4, "gas": 4}, 110.0)])
+    assert pairs == 1 and math.isclose(c, math.log(1.1))
+    latency = Warm(then, lambda v: v, lambda m: 0.0, today._replace(scales=False))
+    assert math.isclose(latency.observations([])[0].log_score, math.log(400.0)), "another metric: not scaled"
 
 
 def test_a_new_run_of_another_model_drops_the_warm_start():

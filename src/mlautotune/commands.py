@@ -193,6 +193,9 @@ def warm_start_text(earlier: Optional[Earlier], session: Session, hardware: Dict
     elif earlier.same_ranks:
         how = (f"another memory size (this session: {hardware_text(hardware)}): the earlier runs that peaked under this limit stand in "
                "for profiling, and their measurements are the search's prior")
+    elif earlier.same_accelerator:
+        how = (f"another world size (this session: {hardware_text(hardware)}): the earlier runs whose peaks, moved by ZeRO's model states, "
+               "fit under this limit stand in for profiling, and their measurements are the search's prior")
     else:
         how = f"other hardware (this session: {hardware_text(hardware)}): their measurements are the search's prior"
     return f"warm start: from {sessions}{where}; {how}"

@@ -109,14 +109,16 @@ def choose(candidates: List[Candidate], hardware: Dict[str, Any], note: Callable
     """The newest MAX_SESSIONS candidates that measured something, their experiments as measurements
     numbered -1, -2, ...; None when there are none. Sessions on the same hardware (their `hardware`
     equals `hardware`) are preferred, then those that differ in memory size only (the same accelerator
-    and world size: their peaks hold here); only when there are none are those on other hardware used. A
+    and world size: their peaks hold here), then those on the same accelerator (their peaks move by
+    ZeRO's model states); only when there are none are those on another accelerator used. A
     candidate that cannot be read is skipped with a note. `store`: where they were found, when not in
     the study storage (Earlier.store)."""
     matching = sorted(candidates, key=lambda c: c.started or datetime.min, reverse=True)
     same = [c for c in matching if c.hardware == hardware]
     ranks = [c for c in matching if _ranks(c.hardware) == _ranks(hardware)]  # another memory size only: their peaks hold
+    accelerator = [c for c in matching if c.hardware.get("accelerator") == hardware.get("accelerator")]  # peaks move by ZeRO's states
     sessions, runs, about, optima, num_params = [], [], {}, [], None
-    for c in same or ranks or matching:
+    for c in same or ranks or accelerator or matching:
         if len(sessions) == MAX_SESSIONS:
             break
         try:
@@ -128,6 +130,8 @@ def choose(candidates: List[Candidate], hardware: Dict[str, Any], note: Callable
             continue
         for m in measured:
             m.trial_number = -(len(runs) + 1)
+            if m.ok and c.hardware.get("world_size"):  # the probe records it; a run read from elsewhere may lack it
+                m.result.metrics.setdefault("world_size", c.hardware["world_size"])
             runs.append(m)
         sessions.append(c.name)
         optima += [c.optimum] if c.optimum else []
@@ -136,7 +140,7 @@ def choose(candidates: List[Candidate], hardware: Dict[str, Any], note: Callable
     if not sessions:
         return None
     return Earlier(sessions, runs, same_hardware=bool(same), same_ranks=bool(same or ranks), num_params=num_params, about=about, store=store,
-                   optima=optima)
+                   optima=optima, same_accelerator=bool(same or ranks or accelerator))
 
 
 def _ranks(hardware: Dict[str, Any]) -> Dict[str, Any]:

@@ -41,7 +41,7 @@ from mlautotune.search.samplers.baselines import grid_pick, random_pick
 from mlautotune.search.settings import SearchSettings
 from mlautotune.search.step import Step, StrategyBase
 from mlautotune.search.stop import p_beaten
-from mlautotune.search.warm import Earlier, Warm
+from mlautotune.search.warm import Earlier, Today, Warm
 
 MARGIN = 0.01  # the stop rule's "better by more than 1%"
 
@@ -49,7 +49,8 @@ MARGIN = 0.01  # the stop rule's "better by more than 1%"
 class Search(StrategyBase):
     def __init__(self, plan: TuningPlan, settings: SearchSettings, earlier: Optional[Earlier] = None):
         self.plan, self.s = plan, settings
-        self.warm = Warm(earlier, self.score, _noise_var) if earlier is not None and earlier.runs else None
+        today = Today(settings.world_size, plan.base_config, plan.mp_size, settings.device, settings.metric == "throughput")
+        self.warm = Warm(earlier, self.score, _noise_var, today) if earlier is not None and earlier.runs else None
         self.kind = "optuna" if settings.sampler_target else settings.tuner_type  # search.sampler: another Optuna sampler
         self.chooser = make_chooser(settings.seed, settings.sampler_target) if self.kind == "optuna" else None
         self.cap, self.low = plan.micro_batch_cap, min(plan.micro_batch.values)
