@@ -159,10 +159,14 @@ class Flat:
         self.calls = []
         self.limit = limit
 
+    @staticmethod
+    def peak(p) -> int:
+        return int(1 * GiB + p["micro_batch"] * 0.05 * GiB + (3 - p["stage"]) * 0.2 * GiB)
+
     def __call__(self, exp: Experiment) -> Result:
         p = exp.params
         self.calls.append(dict(p))
-        peak = int(1 * GiB + p["micro_batch"] * 0.05 * GiB + (3 - p["stage"]) * 0.2 * GiB)
+        peak = self.peak(p)
         if peak > self.limit:
             return Result(exp.name, "oom", {"peak_memory_bytes": peak}, "oom", 40.0, "", 86)
         wobble = 1 + 0.005 * math.sin(7 * len(self.calls))

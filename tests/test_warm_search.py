@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import optuna
 
-from mlautotune.run.experiment import Experiment, Resources, Result
+from mlautotune.run.experiment import Experiment, Resources
 from mlautotune.search import Tuner
 from mlautotune.search.ledger import Measured
 from mlautotune.search.warm import Earlier, Today, Warm
@@ -134,15 +134,14 @@ class Ranks(Sloped):
         weights, grads, moments = (4 * NUM_PARAMS / (self.world_size if stage >= s else 1) for s in (3, 2, 1))
         return weights + grads + 2 * moments
 
+    def peak(self, p):
+        return int(1 * GiB + 0.05 * GiB * p["micro_batch"] + self.states(p["stage"]))
+
     def __call__(self, exp):
-        p = exp.params
-        self.calls.append(dict(p))
-        peak = int(1 * GiB + 0.05 * GiB * p["micro_batch"] + self.states(p["stage"]))
-        if peak > self.limit:
-            return Result(exp.name, "oom", {"peak_memory_bytes": peak}, "oom", 40.0, "", 86)
-        tp = self.throughput(p) * self.world_size
-        r = ok(tp, mbs=p["micro_batch"], peak=peak)
-        r.metrics.update(latency=1000.0 / tp, world_size=self.world_size)
+        r = super().__call__(exp)
+        if r.status == "ok":
+            tp = r.metrics["throughput"] * self.world_size
+            r.metrics.update(throughput=tp, latency=1000.0 / tp, world_size=self.world_size)
         return r
 
 

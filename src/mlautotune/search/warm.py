@@ -65,8 +65,10 @@ class Earlier:
     @property
     def relation(self) -> str:
         """How their hardware compares with this session's, in the words of the console and summary.txt."""
-        if self.same_hardware or self.same_ranks:
-            return "same hardware" if self.same_hardware else "another memory size"
+        if self.same_hardware:
+            return "same hardware"
+        if self.same_ranks:
+            return "another memory size"
         return "another world size" if self.same_accelerator else "other hardware"
 
 
@@ -85,12 +87,13 @@ class Warm:
     observations, the first step, and when the warm start no longer applies."""
 
     def __init__(self, earlier: Earlier, score: Callable[[float], float], noise_var: Callable[[Measured], float],
-                 today: Optional["Today"] = None):
+                 today: Optional[Today] = None):
         self.earlier, self.score, self.noise_var, self.today = earlier, score, noise_var, today
         self.tau0 = TAU_SAME if earlier.same_hardware else TAU_OTHER
         self.num_params = earlier.num_params or next((int(m.result.metrics["num_params"]) for m in earlier.runs
                                                        if m.ok and m.result.metrics.get("num_params")), None)
         self.ok = [m for m in earlier.runs if m.value is not None]
+        self._memory_facts: Dict[int, List[Measured]] = {}  # limit -> the earlier runs that fit under it (moved once, not at every look)
 
     @property
     def same_hardware(self) -> bool:
@@ -114,8 +117,10 @@ class Warm:
             return self.earlier.runs + list(runs)
         if not limit or not (self.earlier.same_ranks or (self.earlier.same_accelerator and self.today is not None and self.num_params)):
             return runs
-        moved = [self._moved(m) for m in self.earlier.runs if m.ok and m.result.metrics.get("peak_memory_bytes")]
-        return [m for m in moved if m is not None and m.result.metrics["peak_memory_bytes"] <= limit] + list(runs)
+        if limit not in self._memory_facts:
+            moved = [self._moved(m) for m in self.earlier.runs if m.ok and m.result.metrics.get("peak_memory_bytes")]
+            self._memory_facts[limit] = [m for m in moved if m is not None and m.result.metrics["peak_memory_bytes"] <= limit]
+        return self._memory_facts[limit] + list(runs)
 
     def _moved(self, m: Measured) -> Optional[Measured]:
         """An earlier run with its peak as it would be at today's world size (None: its world size is not known)."""
